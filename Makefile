@@ -1,0 +1,29 @@
+# One command to set up and run the demo, one to set up and run the tests.
+# Both create .venv on first use; torch is pinned to the 2.13.0 CPU wheel.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+demo: setup
+	$(VENV)/bin/prefixserve demo $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+bench: setup
+	$(VENV)/bin/prefixserve bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

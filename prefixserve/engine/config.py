@@ -1,0 +1,45 @@
+"""Everything that shapes an engine, checked once at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 1024**3
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "random:qwen3-tiny"
+    dtype: str = "auto"  # auto: float32 on CPU
+    seed: int = 0
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    hash_algo: str = "xxh3_64"
+    eviction_policy: str = "lru"
+    # KV pool size: an explicit block count wins over a memory budget in bytes.
+    kv_cache_memory: Optional[int] = None
+    num_kv_blocks: Optional[int] = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: Optional[int] = None  # None: the model's limit, capped at 32768
+    scheduling_policy: str = "fcfs"
+    max_waiting: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            _positive(name, getattr(self, name))
+        for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "max_waiting"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,351 @@
+"""The step-driven engine: requests in, one batched forward per step, outputs out.
+
+`LLMEngine` joins the tokenizer, the scheduler (with its KV bookkeeping) and
+the model runner. The offline `LLM` and the server's background loop both
+drive it through add_request / step / abort_request.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from prefixserve.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from prefixserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from prefixserve.kv import KVCacheConfig, KVCacheManager
+from prefixserve.model.loader import load_model
+from prefixserve.sampling_params import SamplingParams
+from prefixserve.scheduler import (Request, RequestRejected, RequestStatus, Scheduler,
+                                   SchedulerConfig)
+from prefixserve.tokenizer import IncrementalDetokenizer, load_tokenizer
+from prefixserve.worker.model_runner import ModelRunner, num_blocks_for_memory
+from prefixserve.worker.sampler import SamplingRow
+
+PromptInput = Union[str, list[int], dict[str, Any]]
+MAX_DEFAULT_MODEL_LEN = 32768
+
+
+@dataclass
+class _Sample:
+    """Output state of one of a request's n samples."""
+    index: int
+    detokenizer: IncrementalDetokenizer
+    generator: Optional[torch.Generator]
+    text: str = ""
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Group:
+    """A user request: one prompt, n samples (forked after the prompt is computed)."""
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: Optional[str]
+    arrival_time: float
+    samples: dict[str, _Sample] = field(default_factory=dict)  # scheduler request id -> sample
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        dtype = None if config.dtype == "auto" else config.dtype
+        self.loaded = load_model(config.model, dtype=dtype, seed=config.seed)
+        self.model_config = self.loaded.config
+        self.tokenizer = load_tokenizer(config.model)
+        self.max_model_len = config.max_model_len or min(
+            self.model_config.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {self.model_config.max_position_embeddings}")
+        num_blocks = config.num_kv_blocks or self._default_num_blocks()
+        self.kv = KVCacheManager(KVCacheConfig(
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            hash_algo=config.hash_algo,
+            eviction_policy=config.eviction_policy,
+            model_identity=self.loaded.identity,
+        ), clock=clock)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            policy=config.scheduling_policy,
+            max_waiting=config.max_waiting,
+        ), self.kv, clock=clock)
+        self.runner = ModelRunner(self.loaded, block_size=config.block_size, num_blocks=num_blocks,
+                                  vocab_limit=self.tokenizer.vocab_size, seed=config.seed)
+        self._groups: dict[str, _Group] = {}
+        self._sample_to_group: dict[str, str] = {}
+        self._requests_finished = 0
+
+    def _default_num_blocks(self) -> int:
+        budget = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+        by_memory = num_blocks_for_memory(self.loaded, self.config.block_size, budget)
+        # More blocks than every sequence at full length could use is wasted memory.
+        useful = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
+        num_blocks = min(by_memory, useful)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {budget} bytes holds no KV block of this model")
+        return num_blocks
+
+    # ----------------------------------------------------------------- intake
+    def tokenize_prompt(self, prompt: PromptInput) -> tuple[Optional[str], list[int], Optional[str]]:
+        """Returns (prompt text, prompt token ids, cache salt) for any accepted prompt form."""
+        salt = None
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            if unknown:
+                raise RequestRejected(f"unknown prompt fields: {sorted(unknown)}")
+            salt = prompt.get("cache_salt")
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise RequestRejected("cache_salt must be a non-empty string")
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise RequestRejected("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestRejected("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True), salt
+        if isinstance(prompt, (list, tuple)):
+            vocab = self.model_config.vocab_size
+            for t in prompt:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise RequestRejected(f"prompt token id {t!r} is not in [0, {vocab})")
+            return None, list(prompt), salt
+        raise RequestRejected(f"a prompt must be a string, token ids or a dict, got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt: PromptInput,
+                    params: Optional[SamplingParams] = None, *, cache_salt: Optional[str] = None,
+                    priority: int = 0, arrival_time: Optional[float] = None) -> None:
+        """Queues a request; raises RequestRejected (nothing queued) if it can never run."""
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        text, token_ids, dict_salt = self.tokenize_prompt(prompt)
+        salt = cache_salt if cache_salt is not None else dict_salt
+        if params.max_tokens is not None:
+            max_tokens = params.max_tokens
+        else:
+            max_tokens = self.max_model_len - len(token_ids)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            max_tokens=max(1, max_tokens),
+            eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
+            cache_salt=salt,
+            priority=priority,
+            arrival_time=arrival_time if arrival_time is not None else self.clock(),
+        )
+        self.scheduler.add_request(req)
+        group = _Group(request_id, text, token_ids, params, salt, req.arrival_time)
+        group.samples[request_id] = self._new_sample(group, 0, params.seed)
+        self._groups[request_id] = group
+        self._sample_to_group[request_id] = request_id
+
+    def _new_sample(self, group: _Group, index: int, seed: Optional[int]) -> _Sample:
+        generator = None
+        if seed is not None:
+            # Each sample of a seeded request gets its own stream, fixed by (seed, index).
+            derived = seed if index == 0 else (seed * 1_000_003 + index) % (2**63 - 1)
+            generator = torch.Generator(device="cpu").manual_seed(derived)
+        detok = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids,
+                                       skip_special_tokens=group.params.skip_special_tokens)
+        return _Sample(index=index, detokenizer=detok, generator=generator)
+
+    def abort_request(self, request_ids: Union[str, Sequence[str]]) -> None:
+        """Aborts requests (all their samples); every block they held is freed at once."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            group = self._groups.pop(rid, None)
+            if group is None:
+                continue
+            for sid in group.samples:
+                self.scheduler.finish_request(sid, RequestStatus.FINISHED_ABORTED)
+                self.scheduler.release(sid)
+                self._sample_to_group.pop(sid, None)
+            self._requests_finished += 1
+
+    # ------------------------------------------------------------------- step
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduling step; returns the (cumulative) output of every request that moved."""
+        plan = self.scheduler.schedule()
+        rows: list[SamplingRow] = []
+        row_owner: list[tuple[str, int]] = []
+        for seq in plan.sequences:
+            if not seq.sample:
+                continue
+            req = self.scheduler.requests[seq.request_id]
+            group = self._groups[self._sample_to_group[seq.request_id]]
+            for k in range(seq.num_samples):
+                if seq.num_samples > 1 and k > 0:
+                    child_id = f"{seq.request_id}#{k}"
+                    sample = self._new_sample(group, k, group.params.seed)
+                    group.samples[child_id] = sample
+                    self._sample_to_group[child_id] = group.request_id
+                else:
+                    sample = group.samples[seq.request_id]
+                rows.append(SamplingRow(
+                    params=group.params,
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=req.output_token_ids,
+                    min_tokens_blocked=req.eos_token_ids | frozenset(group.params.stop_token_ids),
+                    generator=sample.generator,
+                ))
+                row_owner.append((seq.request_id, k))
+        result = self.runner.execute(plan.sequences, rows, plan.block_copies)
+
+        sampled: dict[str, list[int]] = {}
+        for (rid, _), token in zip(row_owner, result.token_ids):
+            sampled.setdefault(rid, []).append(token)
+        touched = self.scheduler.update_from_output(plan, sampled)
+
+        moved: set[str] = set()
+        for (rid, k), logprob, top in zip(row_owner, result.logprobs, result.top_logprobs):
+            sid = rid if k == 0 else f"{rid}#{k}"
+            if logprob is not None:
+                self._groups[self._sample_to_group[sid]].samples[sid].logprobs.append((logprob, top))
+        for req in touched:
+            gid = self._sample_to_group[req.request_id]
+            self._advance_text(self._groups[gid], req)
+            moved.add(gid)
+        for sid in self.scheduler.take_failed():
+            moved.add(self._sample_to_group[sid])
+        return [self._emit(gid) for gid in sorted(moved, key=lambda g: self._groups[g].arrival_time)]
+
+    def _advance_text(self, group: _Group, req: Request) -> None:
+        sample = group.samples[req.request_id]
+        delta = sample.detokenizer.add(req.output_token_ids[-1])
+        if not delta:
+            return
+        sample.text += delta
+        stop = self._find_stop(sample.text, len(delta), group.params)
+        if stop is None:
+            return
+        at, s = stop
+        sample.text = sample.text[:at + (len(s) if group.params.include_stop_str_in_output else 0)]
+        if req.is_finished:
+            # The same token also hit a length limit; the stop string explains the end better.
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, s
+        else:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, s)
+
+    @staticmethod
+    def _visible_text(text: str, params: SamplingParams, finished: bool) -> str:
+        """Holds back a tail that may still grow into a stop string, so streamed text never shrinks."""
+        if finished or not params.stop:
+            return text
+        hold = 0
+        for s in params.stop:
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
+                    hold = k
+                    break
+        return text[:len(text) - hold] if hold else text
+
+    @staticmethod
+    def _find_stop(text: str, delta_len: int, params: SamplingParams) -> Optional[tuple[int, str]]:
+        if not params.stop:
+            return None
+        best: Optional[tuple[int, str]] = None
+        for s in params.stop:
+            # Only the new text (plus a stop string's length of context) can hold a new match.
+            start = max(0, len(text) - delta_len - len(s) + 1)
+            at = text.find(s, start)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, s)
+        return best
+
+    def _emit(self, gid: str) -> RequestOutput:
+        group = self._groups[gid]
+        outputs: list[CompletionOutput] = []
+        all_done = True
+        num_cached = 0
+        metrics = RequestMetrics(arrival_time=group.arrival_time)
+        for sid, sample in sorted(group.samples.items(), key=lambda kv: kv[1].index):
+            req = self.scheduler.requests[sid]
+            if req.is_finished and sample.finish_reason is None:
+                sample.finish_reason = req.status.value
+                sample.stop_reason = req.stop_reason
+            all_done &= req.is_finished
+            if sample.index == 0:
+                num_cached = max(req.num_cached_tokens, 0)
+                metrics.first_scheduled_time = req.first_scheduled_time
+                metrics.first_token_time = req.first_token_time
+            if req.finished_time is not None:
+                metrics.finished_time = max(metrics.finished_time or 0.0, req.finished_time)
+            outputs.append(CompletionOutput(
+                index=sample.index,
+                text=self._visible_text(sample.text, group.params, req.is_finished),
+                token_ids=list(req.output_token_ids),
+                finish_reason=sample.finish_reason,
+                stop_reason=sample.stop_reason,
+                cumulative_logprob=(sum(lp for lp, _ in sample.logprobs)
+                                    if group.params.logprobs is not None else None),
+                logprobs=list(sample.logprobs) if group.params.logprobs is not None else None,
+            ))
+        # The group is complete once every one of its n samples exists and has
+        # finished, or its first sample ended before the fork could happen.
+        first = self.scheduler.requests[gid]
+        finished = all_done and (len(outputs) == group.params.n or
+                                 (first.is_finished and first.num_output_tokens == 0))
+        error = None
+        if first.status is RequestStatus.FINISHED_ABORTED and isinstance(first.stop_reason, str):
+            error = first.stop_reason
+        out = RequestOutput(
+            request_id=gid, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+            num_cached_tokens=num_cached, outputs=outputs, finished=finished, metrics=metrics,
+            cache_salt=group.cache_salt, error=error)
+        if finished:
+            for sid in group.samples:
+                self.scheduler.release(sid)
+                self._sample_to_group.pop(sid, None)
+            del self._groups[gid]
+            self._requests_finished += 1
+        return out
+
+    # ------------------------------------------------------------- cache ops
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats
+        kv = self.kv.stats()
+        return EngineStats(
+            prompt_tokens=s.prompt_tokens,
+            cached_prompt_tokens=s.cached_prompt_tokens,
+            computed_prompt_tokens=s.computed_prompt_tokens,
+            computed_tokens=s.computed_tokens,
+            generated_tokens=s.generated_tokens,
+            requests_finished=self._requests_finished,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            preemptions=s.preemptions,
+            steps=s.steps,
+            blocks_total=kv.num_blocks,
+            blocks_free=kv.num_free_blocks,
+            blocks_cached=kv.num_cached_free_blocks,
+            blocks_in_use=kv.num_used_blocks,
+            blocks_pinned=kv.num_pinned_blocks,
+            evictions=kv.evictions,
+            cow_copies=kv.cow_copies,
+            prefix_cache_queries=kv.query_tokens,
+            prefix_cache_hits=kv.hit_tokens,
+            kv_cache_bytes=self.runner.kv_cache_bytes,
+        )

@@ -1,0 +1,84 @@
+"""What the engine hands back: vLLM-shaped request and completion outputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    cumulative_logprob: Optional[float] = None
+    # Per generated token: (sampled logprob, [(token id, logprob), ...] alternatives).
+    logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+    @property
+    def time_to_first_token(self) -> Optional[float]:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> Optional[float]:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    # Prompt tokens served from the prefix cache instead of being computed.
+    num_cached_tokens: int
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    cache_salt: Optional[str] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    computed_prompt_tokens: int
+    computed_tokens: int
+    generated_tokens: int
+    requests_finished: int
+    num_running: int
+    num_waiting: int
+    preemptions: int
+    steps: int
+    blocks_total: int
+    blocks_free: int
+    blocks_cached: int
+    blocks_in_use: int
+    blocks_pinned: int
+    evictions: int
+    cow_copies: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    kv_cache_bytes: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0

@@ -1,0 +1,35 @@
+"""Command-line options shared by every subcommand that builds an engine."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from prefixserve.engine.config import DTYPES, EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser, default_model: str) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=default_model,
+                   help="local Hugging Face checkpoint folder or random:<preset> (default: %(default)s)")
+    g.add_argument("--dtype", default="auto", choices=DTYPES)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--hash-algo", default="xxh3_64", choices=("xxh3_64", "xxh3_128", "sha256"))
+    g.add_argument("--eviction-policy", default="lru", choices=("lru", "lfu", "priority"))
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV pool size in bytes")
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"))
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    if getattr(args, "threads", None):
+        import torch
+        torch.set_num_threads(args.threads)
+    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    values.update(overrides)
+    return EngineConfig(**values)

@@ -1,0 +1,301 @@
+"""Continuous batching with chunked prefill over the paged KV cache.
+
+Each step spends a token budget: running requests first (decodes and prompt
+chunks already under way), in priority-then-arrival order, then new requests
+from the waiting queue. When the pool runs dry the least important, latest
+running request is preempted: its blocks go back to the pool (still cached),
+and it is recomputed later, mostly from those cached blocks.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+from prefixserve.kv import KVCacheManager
+from prefixserve.scheduler.config import SchedulerConfig
+from prefixserve.scheduler.output import ScheduledSequence, SchedulerOutput
+from prefixserve.scheduler.request import Request, RequestStatus
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served (too long, bad shape); nothing was scheduled."""
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound; the caller should retry later."""
+
+
+@dataclass
+class SchedulerStats:
+    requests_admitted: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    computed_prompt_tokens: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.kv = kv
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._failed: list[str] = []
+
+    # ----------------------------------------------------------------- intake
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise RequestRejected(f"request id {req.request_id!r} is already in use")
+        self.check_fits(req.num_prompt_tokens, req.max_tokens)
+        if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
+            raise QueueFull(f"waiting queue is full ({self.config.max_waiting} requests)")
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raises RequestRejected for a request that no amount of waiting would let run."""
+        if num_prompt_tokens == 0:
+            raise RequestRejected("the prompt is empty")
+        total = num_prompt_tokens + max_tokens
+        if num_prompt_tokens >= self.config.max_model_len:
+            raise RequestRejected(
+                f"prompt has {num_prompt_tokens} tokens; max_model_len is {self.config.max_model_len} "
+                "and at least one token must be generated")
+        if total > self.config.max_model_len:
+            raise RequestRejected(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                f"exceeds max_model_len ({self.config.max_model_len})")
+        blocks = -(-total // self.kv.block_size)
+        if blocks > self.kv.num_blocks:
+            raise RequestRejected(
+                f"prompt + max_tokens needs {blocks} KV blocks but the whole pool has "
+                f"{self.kv.num_blocks}; raise kv_cache_memory or num_kv_blocks")
+
+    # --------------------------------------------------------------- planning
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+        self.stats.steps += 1
+        self.running.sort(key=self._importance)
+
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while True:
+                alloc = self.kv.allocate_slots(
+                    req.request_id, req.all_token_ids, req.num_computed_tokens, num_new,
+                    cache_salt=req.cache_salt, priority=req.priority)
+                if alloc is not None:
+                    break
+                victim = self._pick_victim(scheduled)
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if alloc is None:
+                continue
+            out.block_copies.extend(alloc.copies)
+            budget -= num_new
+            scheduled.add(req.request_id)
+            out.sequences.append(self._plan(req, num_new))
+
+        # New work only joins a step that did not have to take memory back.
+        if not out.preempted_ids:
+            self._admit_waiting(out, budget, scheduled)
+        if out.is_empty and not self.running and self.waiting:
+            self._fail_unservable(self.waiting[0])
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set[str]) -> None:
+        if len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=self._importance))
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            seats = req.sampling_params.n if req.sample_index == 0 and req.num_output_tokens == 0 else 1
+            if self.running and len(self.running) + seats > self.config.max_num_seqs:
+                break
+            resumed = req.num_preemptions > 0
+            hit = self.kv.find_cached_prefix(
+                req.request_id, req.all_token_ids, cache_salt=req.cache_salt, preempted=resumed)
+            num_new = min(req.num_tokens - hit.num_tokens, budget)
+            alloc = self.kv.allocate_slots(
+                req.request_id, req.all_token_ids, hit.num_tokens, num_new, hit=hit,
+                cache_salt=req.cache_salt, priority=req.priority)
+            if alloc is None:
+                break
+            self.waiting.popleft()
+            out.block_copies.extend(alloc.copies)
+            req.num_computed_tokens = hit.num_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit.num_tokens
+                req.first_scheduled_time = self.clock()
+                self.stats.requests_admitted += 1
+                self.stats.prompt_tokens += req.num_prompt_tokens
+                self.stats.cached_prompt_tokens += hit.num_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            budget -= num_new
+            scheduled.add(req.request_id)
+            out.sequences.append(self._plan(req, num_new))
+
+    def _plan(self, req: Request, num_new: int) -> ScheduledSequence:
+        start = req.num_computed_tokens
+        end = start + num_new
+        self.stats.computed_prompt_tokens += max(0, min(end, req.num_prompt_tokens) - start)
+        self.stats.computed_tokens += num_new
+        req.num_computed_tokens = end
+        sample = end == req.num_tokens
+        fan_out = req.sampling_params.n if (sample and req.sample_index == 0
+                                            and req.num_output_tokens == 0) else 1
+        return ScheduledSequence(
+            request_id=req.request_id,
+            token_ids=req.all_token_ids[start:end],
+            start_pos=start,
+            block_table=self.kv.block_table(req.request_id),
+            sample=sample,
+            num_samples=fan_out,
+        )
+
+    def _importance(self, req: Request) -> tuple[int, float, int]:
+        # Smaller sorts first: higher priority (under the priority policy), then
+        # earlier arrival, then the first of a group of forked samples.
+        rank = -req.priority if self.config.policy == "priority" else 0
+        return (rank, req.arrival_time, req.sample_index)
+
+    def _pick_victim(self, scheduled: set[str]) -> Request:
+        candidates = [r for r in self.running if r.request_id not in scheduled]
+        # The request being placed is always a candidate, so this is never empty.
+        return max(candidates, key=self._importance)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req.request_id)
+        self.running.remove(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted_ids.append(req.request_id)
+
+    def _fail_unservable(self, req: Request) -> None:
+        # Only reachable when pinned blocks hold the memory this request needs.
+        req.stop_reason = "not enough free KV blocks (pinned prefixes hold the rest)"
+        self.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED, req.stop_reason)
+        self._failed.append(req.request_id)
+
+    def take_failed(self) -> list[str]:
+        """Ids of requests the scheduler ended on its own since the last call."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    # ---------------------------------------------------------------- results
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, list[int]]) -> list[Request]:
+        """Applies sampled tokens; returns every request that gained tokens or finished."""
+        touched: list[Request] = []
+        now = self.clock()
+        for seq in out.sequences:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.is_finished or not seq.sample:
+                continue
+            tokens = sampled[seq.request_id]
+            if seq.num_samples > 1:
+                for index, token in enumerate(tokens[1:], start=1):
+                    child = self._fork(req, index)
+                    self._accept_token(child, token, now)
+                    touched.append(child)
+            self._accept_token(req, tokens[0], now)
+            touched.append(req)
+        return touched
+
+    def _accept_token(self, req: Request, token: int, now: float) -> None:
+        req.append_output_token(token)
+        self.stats.generated_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                return
+            if token in params.stop_token_ids:
+                self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, token)
+                return
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
+
+    def _fork(self, parent: Request, index: int) -> Request:
+        child = Request(
+            request_id=f"{parent.request_id}#{index}",
+            prompt_token_ids=parent.prompt_token_ids,
+            sampling_params=parent.sampling_params,
+            max_tokens=parent.max_tokens,
+            eos_token_ids=parent.eos_token_ids,
+            cache_salt=parent.cache_salt,
+            priority=parent.priority,
+            arrival_time=parent.arrival_time,
+            sample_index=index,
+            parent_id=parent.request_id,
+        )
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.first_scheduled_time = parent.first_scheduled_time
+        child.status = RequestStatus.RUNNING
+        self.kv.fork(parent.request_id, child.request_id)
+        self.requests[child.request_id] = child
+        self.running.append(child)
+        return child
+
+    # -------------------------------------------------------------- lifecycle
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       stop_reason: int | str | None = None) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(request_id)
+        req.status = status
+        if stop_reason is not None:
+            req.stop_reason = stop_reason
+        req.finished_time = self.clock()
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+
+    def release(self, request_id: str) -> Optional[Request]:
+        """Forgets a finished request once its output has been delivered."""
+        req = self.requests.get(request_id)
+        if req is not None and req.is_finished:
+            del self.requests[request_id]
+            return req
+        return None
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)

@@ -1,0 +1,134 @@
+"""Turns the logits of the rows being sampled into tokens, one set of params per row.
+
+Work is batched across rows wherever the rows agree (greedy argmax, the
+sorting filters); a per-row loop remains only where each row owns state: its
+penalty counts and its random generator. A request's generator is its own, so
+a seeded request samples the same tokens whatever else shares the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from prefixserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    # Token ids masked until min_tokens outputs exist (EOS and stop ids).
+    min_tokens_blocked: frozenset[int] = frozenset()
+    generator: Optional[torch.Generator] = None
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # Log-probability of each sampled token under the model's raw distribution,
+    # and the k most likely alternatives, for rows that asked for logprobs.
+    logprobs: list[Optional[float]] = field(default_factory=list)
+    top_logprobs: list[Optional[list[tuple[int, float]]]] = field(default_factory=list)
+
+
+class Sampler:
+    def __init__(self, vocab_limit: Optional[int] = None) -> None:
+        # Ids at or beyond the tokenizer's vocabulary decode to nothing; the
+        # model's embedding may be larger (padded), so they are never sampled.
+        self.vocab_limit = vocab_limit
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 default_generator: Optional[torch.Generator] = None) -> SampleResult:
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
+        logits = logits.float()
+        vocab = logits.shape[-1]
+        if self.vocab_limit is not None and self.vocab_limit < vocab:
+            logits[:, self.vocab_limit:] = float("-inf")
+
+        want_logprobs = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+
+        for i, row in enumerate(rows):
+            if row.params.uses_penalties:
+                _apply_penalties(logits[i], row, vocab)
+            if row.min_tokens_blocked and len(row.output_token_ids) < row.params.min_tokens:
+                ids = [t for t in row.min_tokens_blocked if t < vocab]
+                logits[i, ids] = float("-inf")
+
+        tokens = torch.argmax(logits, dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows, dtype=torch.long)
+            sub = logits.index_select(0, idx)
+            temps = torch.tensor([rows[i].params.temperature for i in random_rows],
+                                 dtype=sub.dtype).unsqueeze(1)
+            sub = _filter(sub / temps, [rows[i].params for i in random_rows])
+            probs = torch.softmax(sub, dim=-1)
+            for j, i in enumerate(random_rows):
+                gen = rows[i].generator or default_generator
+                # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p,
+                # using exactly one draw per vocabulary entry from this row's stream.
+                noise = torch.empty(vocab, dtype=probs.dtype).exponential_(generator=gen)
+                tokens[i] = torch.argmax(probs[j] / noise)
+
+        token_list = tokens.tolist()
+        result = SampleResult(token_ids=token_list)
+        for i, row in enumerate(rows):
+            if raw_logprobs is None or not want_logprobs[i]:
+                result.logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            result.logprobs.append(float(raw_logprobs[i, token_list[i]]))
+            k = row.params.logprobs
+            if k:
+                values, ids = torch.topk(raw_logprobs[i], k)
+                result.top_logprobs.append(list(zip(ids.tolist(), values.tolist())))
+            else:
+                result.top_logprobs.append([])
+        return result
+
+
+def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow, vocab: int) -> None:
+    p = row.params
+    out = torch.tensor([t for t in row.output_token_ids if t < vocab], dtype=torch.long)
+    counts = torch.bincount(out, minlength=vocab).to(row_logits.dtype)
+    if p.repetition_penalty != 1.0:
+        prompt = torch.tensor([t for t in row.prompt_token_ids if t < vocab], dtype=torch.long)
+        seen = counts > 0
+        seen[prompt] = True
+        picked = row_logits[seen]
+        row_logits[seen] = torch.where(picked > 0, picked / p.repetition_penalty,
+                                       picked * p.repetition_penalty)
+    if p.frequency_penalty:
+        row_logits -= p.frequency_penalty * counts
+    if p.presence_penalty:
+        row_logits -= p.presence_penalty * (counts > 0).to(row_logits.dtype)
+
+
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Applies top-k, top-p and min-p row by row, in one sort for the batch."""
+    top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    if not any(top_k) and all(v >= 1.0 for v in top_p) and not any(min_p):
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    k = torch.tensor([v if v > 0 else vocab for v in top_k]).unsqueeze(1)
+    drop = ranks >= k
+    # top-p and min-p judge the distribution that top-k left, renormalised.
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    p = torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
+    # Keep the smallest set whose mass reaches p: drop a token once the mass
+    # before it already reaches p (the first token always survives).
+    drop |= (torch.cumsum(probs, dim=-1) - probs) >= p
+    m = torch.tensor(min_p, dtype=probs.dtype).unsqueeze(1)
+    drop |= probs < m * probs[:, :1]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
