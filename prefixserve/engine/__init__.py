@@ -1,7 +1,8 @@
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.llm import LLM
 from prefixserve.engine.llm_engine import LLMEngine
-from prefixserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from prefixserve.engine.outputs import (CachePin, CompletionOutput, EngineStats, PinResult,
+                                       RequestMetrics, RequestOutput)
 
-__all__ = ["CompletionOutput", "EngineConfig", "EngineStats", "LLM", "LLMEngine", "RequestMetrics",
+__all__ = ["CachePin", "CompletionOutput", "PinResult", "EngineConfig", "EngineStats", "LLM", "LLMEngine", "RequestMetrics",
            "RequestOutput"]

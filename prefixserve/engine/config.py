@@ -25,6 +25,8 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # None: the model's limit, capped at 32768
     scheduling_policy: str = "fcfs"
     max_waiting: Optional[int] = None
+    # Share of the KV pool that explicit pins may hold, so pins cannot starve live requests.
+    max_pinned_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -36,6 +38,8 @@ class EngineConfig:
         for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "max_waiting"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if not isinstance(self.max_pinned_fraction, (int, float)) or not 0 <= self.max_pinned_fraction <= 1:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

@@ -13,8 +13,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from prefixserve.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
-from prefixserve.engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from prefixserve.kv import KVCacheConfig, KVCacheManager
+from prefixserve.engine.outputs import (CachePin, CompletionOutput, EngineStats, PinResult,
+                                       RequestMetrics, RequestOutput)
+from prefixserve.kv import KVCacheConfig, KVCacheManager, PinLimitError
 from prefixserve.model.loader import load_model
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.scheduler import (Request, RequestRejected, RequestStatus, Scheduler,
@@ -49,6 +50,8 @@ class _Group:
     cache_salt: Optional[str]
     arrival_time: float
     samples: dict[str, _Sample] = field(default_factory=dict)  # scheduler request id -> sample
+    cache_pins: tuple[CachePin, ...] = ()
+    pin_results: list[PinResult] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -73,6 +76,7 @@ class LLMEngine:
             hash_algo=config.hash_algo,
             eviction_policy=config.eviction_policy,
             model_identity=self.loaded.identity,
+            max_pinned_blocks=int(num_blocks * config.max_pinned_fraction),
         ), clock=clock)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -128,8 +132,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptInput,
                     params: Optional[SamplingParams] = None, *, cache_salt: Optional[str] = None,
-                    priority: int = 0, arrival_time: Optional[float] = None) -> None:
-        """Queues a request; raises RequestRejected (nothing queued) if it can never run."""
+                    priority: int = 0, arrival_time: Optional[float] = None,
+                    cache_pins: Sequence[CachePin] = ()) -> None:
+        """Queues a request; raises RequestRejected (nothing queued) if it can never run.
+
+        cache_pins: prefixes of this prompt to pin in the cache, each for its TTL, once the
+        prompt has been computed (a pin that exists already is refreshed).
+        """
         params = params or SamplingParams()
         if request_id in self._groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
@@ -149,8 +158,13 @@ class LLMEngine:
             priority=priority,
             arrival_time=arrival_time if arrival_time is not None else self.clock(),
         )
+        for pin in cache_pins:
+            if not 0 < pin.num_tokens <= len(token_ids):
+                raise RequestRejected(
+                    f"cache pin of {pin.num_tokens} tokens outside the {len(token_ids)}-token prompt")
         self.scheduler.add_request(req)
-        group = _Group(request_id, text, token_ids, params, salt, req.arrival_time)
+        group = _Group(request_id, text, token_ids, params, salt, req.arrival_time,
+                       cache_pins=tuple(cache_pins))
         group.samples[request_id] = self._new_sample(group, 0, params.seed)
         self._groups[request_id] = group
         self._sample_to_group[request_id] = request_id
@@ -223,11 +237,27 @@ class LLMEngine:
                 self._groups[self._sample_to_group[sid]].samples[sid].logprobs.append((logprob, top))
         for req in touched:
             gid = self._sample_to_group[req.request_id]
-            self._advance_text(self._groups[gid], req)
+            group = self._groups[gid]
+            if group.cache_pins and req.request_id == gid and req.num_output_tokens == 1:
+                self._apply_pins(group)
+            self._advance_text(group, req)
             moved.add(gid)
         for sid in self.scheduler.take_failed():
             moved.add(self._sample_to_group[sid])
         return [self._emit(gid) for gid in sorted(moved, key=lambda g: self._groups[g].arrival_time)]
+
+    def _apply_pins(self, group: _Group) -> None:
+        # The prompt's blocks were registered when allocated and are held by the
+        # request now, so the whole prefix is found in the cache.
+        for pin in group.cache_pins:
+            try:
+                info = self.kv.pin_prefix(group.prompt_token_ids, cache_salt=group.cache_salt,
+                                          num_tokens=pin.num_tokens, ttl_s=pin.ttl_s)
+            except PinLimitError as exc:
+                group.pin_results.append(PinResult(pin.num_tokens, 0, None, str(exc)))
+                continue
+            group.pin_results.append(PinResult(pin.num_tokens, info.num_tokens, info.expires_at,
+                                               None, info.pin_id))
 
     def _advance_text(self, group: _Group, req: Request) -> None:
         sample = group.samples[req.request_id]
@@ -311,7 +341,7 @@ class LLMEngine:
         out = RequestOutput(
             request_id=gid, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
             num_cached_tokens=num_cached, outputs=outputs, finished=finished, metrics=metrics,
-            cache_salt=group.cache_salt, error=error)
+            cache_salt=group.cache_salt, error=error, pins=list(group.pin_results))
         if finished:
             for sid in group.samples:
                 self.scheduler.release(sid)

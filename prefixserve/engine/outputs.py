@@ -21,6 +21,29 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class CachePin:
+    """Asks the engine to pin the first num_tokens of a prompt once it is computed."""
+    num_tokens: int
+    ttl_s: Optional[float] = None  # None: until unpinned
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int) or self.num_tokens < 1:
+            raise ValueError(f"num_tokens must be a positive integer, got {self.num_tokens!r}")
+        if self.ttl_s is not None and not self.ttl_s > 0:
+            raise ValueError(f"ttl_s must be positive or None, got {self.ttl_s!r}")
+
+
+@dataclass
+class PinResult:
+    requested_tokens: int
+    # Block-aligned tokens actually pinned (a partial last block is never cached).
+    pinned_tokens: int
+    expires_at: Optional[float]
+    error: Optional[str] = None  # set when the pin cap refused it
+    pin_id: Optional[str] = None
+
+
 @dataclass
 class RequestMetrics:
     arrival_time: float
@@ -53,6 +76,7 @@ class RequestOutput:
     metrics: RequestMetrics
     cache_salt: Optional[str] = None
     error: Optional[str] = None
+    pins: list[PinResult] = field(default_factory=list)
 
 
 @dataclass

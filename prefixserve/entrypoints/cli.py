@@ -10,6 +10,9 @@ from typing import Optional, Sequence
 COMMANDS = (
     "prefixserve.entrypoints.demo",
     "prefixserve.entrypoints.generate",
+    "prefixserve.diagnose.cli",
+    "prefixserve.entrypoints.serve",
+    "prefixserve.benchmarks.cli",
 )
 
 

@@ -1,0 +1,394 @@
+"""Drives an LLMEngine from one background thread for asyncio callers.
+
+The engine is not thread-safe, so exactly one thread (the engine loop) ever
+touches it. asyncio code talks to that thread through a command list guarded
+by a condition variable: adding a request, aborting one, or running any
+function on the engine between two steps. Outputs travel back the other way
+through `loop.call_soon_threadsafe`.
+
+Outputs are cumulative, so a request's stream keeps only the newest one: a
+slow consumer sees fewer, larger updates instead of an ever-growing backlog.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Optional, TypeVar
+
+from prefixserve.engine.llm_engine import LLMEngine, PromptInput
+from prefixserve.engine.outputs import EngineStats, RequestOutput
+from prefixserve.sampling_params import SamplingParams
+from prefixserve.scheduler import QueueFull
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (shut down or crashed); no request can be served."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised; every request that was in the engine at the time has been ended."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted (by its client going away or an explicit abort)."""
+
+
+class RequestStream:
+    """The asyncio side of one request: async-iterates its (cumulative) outputs until finished."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: Optional[RequestOutput] = None
+        self._error: Optional[BaseException] = None
+        self._wake_scheduled = False
+        self._event = asyncio.Event()
+        self._done = False
+
+    # ---- engine-loop thread side
+    def _put(self, output: RequestOutput) -> None:
+        with self._lock:
+            self._pending = output
+            self._schedule_wake_locked()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            self._error = error
+            self._schedule_wake_locked()
+
+    def _schedule_wake_locked(self) -> None:
+        if self._wake_scheduled:
+            return
+        self._wake_scheduled = True
+        # Raises RuntimeError if the consumer's loop has closed; the caller aborts then.
+        self._loop.call_soon_threadsafe(self._wake)
+
+    # ---- event-loop side
+    def _wake(self) -> None:
+        with self._lock:
+            self._wake_scheduled = False
+        self._event.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while True:
+            if self._done:
+                raise StopAsyncIteration
+            self._event.clear()
+            with self._lock:
+                output, self._pending = self._pending, None
+                error = self._error
+            if output is not None:
+                self._done = output.finished
+                return output
+            if error is not None:
+                self._done = True
+                raise error
+            await self._event.wait()
+
+
+@dataclass
+class _Command:
+    """Work for the engine thread; `fail` tells its waiter when it will never run."""
+    run: Callable[[], None]
+    fail: Callable[[BaseException], None] = lambda exc: None
+    is_add: bool = False
+
+
+class AsyncLLM:
+    """Thread-safe, asyncio-facing front of an LLMEngine run by one background thread.
+
+    max_waiting bounds the requests accepted but not yet running (those still
+    in the command list plus the engine's waiting queue); beyond it add_request
+    raises QueueFull at once, so memory stays bounded under overload.
+    """
+
+    def __init__(self, engine: LLMEngine, *, max_waiting: Optional[int] = None) -> None:
+        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
+                                        or max_waiting < 1):
+            raise ValueError(f"max_waiting must be a positive integer or None, got {max_waiting!r}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._cond = threading.Condition()
+        self._commands: deque[_Command] = deque()
+        self._pending_adds = 0
+        self._streams: dict[str, RequestStream] = {}
+        # Requests the engine holds that this front added; only the engine thread touches it.
+        self._in_engine: set[str] = set()
+        self._stats: EngineStats = engine.stats()
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self._dead: Optional[str] = None
+
+    # ------------------------------------------------------------- lifecycle
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    @property
+    def dead_reason(self) -> Optional[str]:
+        return self._dead
+
+    def start(self) -> None:
+        """Starts the engine loop thread (idempotent)."""
+        with self._cond:
+            self._check_alive_locked()
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run_loop, name="prefixserve-engine",
+                                            daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stops the loop after its current step; requests still in flight are failed."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is None:
+            self._die("the engine was shut down")
+        elif thread is not threading.current_thread():
+            thread.join(timeout)
+
+    # -------------------------------------------------------------- requests
+    async def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
+                          cache_salt: Optional[str] = None, priority: int = 0) -> RequestStream:
+        """Queues a request; returns its stream once the engine accepted it.
+
+        Raises QueueFull (at the bound), RequestRejected (the engine refused it;
+        nothing scheduled) or EngineDeadError.
+        """
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def add() -> None:
+            if not accepted.set_running_or_notify_cancel():
+                with self._cond:
+                    self._streams.pop(request_id, None)
+                return
+            try:
+                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
+                                        priority=priority)
+            except BaseException as exc:  # handed to the caller, who maps it to an HTTP error
+                with self._cond:
+                    self._streams.pop(request_id, None)
+                accepted.set_exception(exc)
+            else:
+                self._in_engine.add(request_id)
+                accepted.set_result(None)
+
+        def fail(exc: BaseException) -> None:
+            _fail_future(accepted, exc)
+
+        with self._cond:
+            self._check_alive_locked()
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            if self.max_waiting is not None and \
+                    self._pending_adds + self._stats.num_waiting >= self.max_waiting:
+                raise QueueFull(f"too many requests waiting (max_waiting={self.max_waiting}); "
+                                "retry later")
+            self._pending_adds += 1
+            self._streams[request_id] = stream
+            self._commands.append(_Command(add, fail, is_add=True))
+            self._cond.notify()
+        try:
+            await asyncio.wrap_future(accepted)
+        except asyncio.CancelledError:
+            # The caller went away before acceptance: make sure nothing keeps running for it.
+            self.abort(request_id)
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
+                       cache_salt: Optional[str] = None, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
+        """add_request + iterate; the request is aborted if the iteration stops early.
+
+        Leaving an `async for` with break does not close an async generator
+        until it is garbage-collected: wrap the call in contextlib.aclosing()
+        (or let the task be cancelled) to free the request's blocks at once.
+        """
+        stream = await self.add_request(request_id, prompt, params, cache_salt=cache_salt,
+                                        priority=priority)
+        finished = False
+        try:
+            async for output in stream:
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request before the next engine step; unknown or finished ids are a no-op.
+
+        Safe to call from any thread, and never blocks on the engine. A consumer
+        still iterating the request's stream gets RequestAbortedError.
+        """
+        def abort() -> None:
+            if request_id in self._in_engine:
+                self._in_engine.discard(request_id)
+                try:
+                    self.engine.abort_request(request_id)
+                except Exception:
+                    logger.exception("aborting request %s failed", request_id)
+
+        with self._cond:
+            stream = self._streams.pop(request_id, None)
+            if self._dead is None:
+                self._commands.append(_Command(abort))
+                self._cond.notify()
+        if stream is not None:
+            _fail_quietly(stream, RequestAbortedError(f"request {request_id} was aborted"))
+
+    async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs fn(engine) on the engine thread between two steps and returns its result."""
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def submit(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
+        """Thread-safe: schedules fn(engine) on the engine thread; returns a future of its result."""
+        result: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def call() -> None:
+            if not result.set_running_or_notify_cancel():
+                return
+            try:
+                result.set_result(fn(self.engine))
+            except BaseException as exc:
+                result.set_exception(exc)
+
+        def fail(exc: BaseException) -> None:
+            _fail_future(result, exc)
+
+        with self._cond:
+            self._check_alive_locked()
+            self._commands.append(_Command(call, fail))
+            self._cond.notify()
+        return result
+
+    def stats(self) -> EngineStats:
+        """The engine's stats as of the loop's latest iteration (never blocks on the engine)."""
+        return self._stats
+
+    def _check_alive_locked(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is not running: {self._dead}")
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+
+    # ------------------------------------------------------------ the loop
+    def _run_loop(self) -> None:
+        reason = "the engine was shut down"
+        commands: list[_Command] = []
+        try:
+            while True:
+                with self._cond:
+                    while not self._commands and not self._stopping and not self._in_engine:
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for command in commands:
+                    command.run()
+                with self._cond:
+                    # Counted as pending until the refreshed stats count them as waiting,
+                    # so the max_waiting bound never sees a gap.
+                    self._pending_adds -= sum(c.is_add for c in commands)
+                    self._stats = self.engine.stats()
+                if self._in_engine and not self.engine.has_unfinished_requests():
+                    # The engine ended requests without a final output: never leave a waiter hanging.
+                    self._fail_all_in_engine(EngineStepError("the engine dropped the request"))
+                if self._in_engine:
+                    self._step()
+                    self._stats = self.engine.stats()
+        except BaseException as exc:  # a bug outside step(): nothing can be trusted any more
+            logger.exception("engine loop crashed")
+            reason = f"engine loop crashed: {exc!r}"
+            for command in commands:
+                command.fail(EngineDeadError(reason))
+        # Leave the engine empty (every block free) for whoever uses it next.
+        self._fail_all_in_engine(EngineDeadError(reason))
+        self._die(reason)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; ending every request in the engine")
+            self._fail_all_in_engine(EngineStepError(f"engine step failed: {exc!r}"))
+            return
+        for output in outputs:
+            if output.finished:
+                self._in_engine.discard(output.request_id)
+            with self._cond:
+                stream = self._streams.get(output.request_id)
+                if stream is not None and output.finished:
+                    del self._streams[output.request_id]
+            if stream is None:
+                continue
+            try:
+                stream._put(output)
+            except RuntimeError:
+                # The consumer's event loop is closed: nobody will read this request.
+                if not output.finished:
+                    self._in_engine.discard(output.request_id)
+                    self.engine.abort_request(output.request_id)
+
+    def _fail_all_in_engine(self, error: BaseException) -> None:
+        ids = sorted(self._in_engine)
+        self._in_engine.clear()
+        with self._cond:
+            streams = [self._streams.pop(rid) for rid in ids if rid in self._streams]
+        try:
+            self.engine.abort_request(ids)
+        except Exception:
+            logger.exception("aborting the requests of a failed step raised too")
+        for stream in streams:
+            _fail_quietly(stream, error)
+
+    def _die(self, reason: str) -> None:
+        with self._cond:
+            self._dead = reason
+            streams = list(self._streams.values())
+            self._streams.clear()
+            commands = list(self._commands)
+            self._commands.clear()
+        error = EngineDeadError(reason)
+        for command in commands:
+            command.fail(error)
+        for stream in streams:
+            _fail_quietly(stream, error)
+
+
+def _fail_future(future: concurrent.futures.Future, error: BaseException) -> None:
+    if future.done():
+        return
+    if future.running() or future.set_running_or_notify_cancel():
+        future.set_exception(error)
+
+
+def _fail_quietly(stream: RequestStream, error: BaseException) -> None:
+    try:
+        stream._fail(error)
+    except RuntimeError:  # its event loop is closed: nobody is listening
+        pass

@@ -1,0 +1,82 @@
+"""The FastAPI application: OpenAI-compatible endpoints over one AsyncLLM."""
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from prefixserve.engine.async_llm import AsyncLLM
+from prefixserve.engine.llm_engine import LLMEngine
+from prefixserve.entrypoints.server.chat import create_chat_completion
+from prefixserve.entrypoints.server.completions import create_completion
+from prefixserve.entrypoints.server.config import ServerConfig
+from prefixserve.entrypoints.server.errors import engine_error, install_error_handlers
+from prefixserve.entrypoints.server.metrics import ServerMetrics
+from prefixserve.entrypoints.server.protocol import ModelCard, ModelList
+from prefixserve.entrypoints.server.state import ServerState, get_state
+
+
+def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerConfig()) -> FastAPI:
+    """An app serving `engine`.
+
+    Given an LLMEngine, the app wraps it in an AsyncLLM bounded by
+    config.max_waiting, starts its loop on startup and stops it on shutdown.
+    Given an AsyncLLM, the app starts it if needed and leaves stopping it (and
+    its own max_waiting) to the caller.
+    """
+    owned = isinstance(engine, LLMEngine)
+    async_llm = AsyncLLM(engine, max_waiting=config.max_waiting) if owned else engine
+    if not isinstance(async_llm, AsyncLLM):
+        raise TypeError(f"build_app needs an LLMEngine or AsyncLLM, got {type(engine).__name__}")
+    model_name = config.served_model_name or async_llm.engine.config.model
+    state = ServerState(async_llm=async_llm, config=config, model_name=model_name,
+                        metrics=ServerMetrics(async_llm.stats, model_name))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_llm.start()
+        try:
+            yield
+        finally:
+            if owned:
+                async_llm.shutdown()
+
+    app = FastAPI(title="prefixserve", version="0.1.0", lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+
+    app.post("/v1/completions")(create_completion)
+    app.post("/v1/chat/completions")(create_chat_completion)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> JSONResponse:
+        s = get_state(request)
+        card = ModelCard(id=s.model_name, created=s.created, max_model_len=s.async_llm.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        s = get_state(request)
+        if not s.async_llm.is_running:
+            reason = s.async_llm.dead_reason or "the engine loop is not running"
+            return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(get_state(request).metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        s = get_state(request)
+        try:
+            dropped = await s.async_llm.run_in_engine(lambda e: e.reset_prefix_cache())
+        except Exception as exc:
+            raise engine_error(exc, param=None, retry_after_s=s.config.retry_after_s) from exc
+        return JSONResponse({"dropped_blocks": dropped})
+
+    return app

@@ -1,0 +1,143 @@
+"""POST /v1/completions."""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator, Union
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from prefixserve.engine.outputs import CompletionOutput, RequestOutput
+from prefixserve.entrypoints.server.errors import APIError, bad_request, sampling_error
+from prefixserve.entrypoints.server.generation import (DONE_EVENT, EventStream, Generation, sse,
+                                                       submit, usage_of)
+from prefixserve.entrypoints.server.protocol import (CompletionChoice, CompletionLogprobs,
+                                                     CompletionRequest, CompletionResponse)
+from prefixserve.entrypoints.server.state import ServerState, get_state, new_id, token_text
+
+
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    state = get_state(request)
+    state.check_model(body.model)
+    state.check_cache_salt(body.cache_salt)
+    _reject_unsupported(body)
+    prompts = _prompt_token_ids(state, body.prompt)
+    max_tokens = body.max_tokens if body.max_tokens is not None \
+        else state.config.default_completion_max_tokens
+    try:
+        params = body.sampling_params(max_tokens, body.logprobs)
+    except ValueError as exc:
+        raise sampling_error(exc) from None
+    gen = await submit(state.async_llm, state.config, state.metrics, new_id("cmpl"), prompts, params,
+                       cache_salt=body.cache_salt, priority=body.priority, param="prompt")
+    created = int(time.time())
+    if body.stream:
+        return EventStream(_stream(state, gen, body, created), on_close=gen.abort)
+    outputs = await gen.final_outputs(request)
+    choices = [_choice(state, i * params.n + c.index, c, c.text, 0, 0)
+               for i, out in enumerate(outputs) for c in out.outputs]
+    response = CompletionResponse(id=gen.request_ids[0], created=created, model=state.model_name,
+                                  choices=choices, usage=usage_of(outputs))
+    return JSONResponse(response.model_dump())
+
+
+def _reject_unsupported(body: CompletionRequest) -> None:
+    if body.echo:
+        raise bad_request("echo is not supported", param="echo", code="unsupported")
+    if body.suffix:
+        raise bad_request("suffix is not supported", param="suffix", code="unsupported")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request("best_of other than n is not supported", param="best_of",
+                          code="unsupported")
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias", code="unsupported")
+
+
+def _prompt_token_ids(state: ServerState, prompt: Union[str, list]) -> list[list[int]]:
+    """Every accepted prompt form as a list of token-id prompts; token ids are checked by the engine."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("prompt is empty", param="prompt", code="empty_prompt")
+    token_ids: list[list[int]] = []
+    for p in prompt:
+        if not p:
+            raise bad_request("prompt is empty", param="prompt", code="empty_prompt")
+        if isinstance(p, str):
+            p = state.async_llm.tokenizer.encode(p, add_special_tokens=True)
+        token_ids.append(list(p))
+    return token_ids
+
+
+def _choice(state: ServerState, index: int, c: CompletionOutput, text: str, token_start: int,
+            text_offset: int, finished: bool = True) -> CompletionChoice:
+    logprobs = None
+    if c.logprobs is not None:
+        logprobs = _logprobs(state, c, token_start, text_offset)
+    return CompletionChoice(index=index, text=text, logprobs=logprobs,
+                            finish_reason=c.finish_reason if finished else None,
+                            stop_reason=c.stop_reason if finished else None)
+
+
+def _logprobs(state: ServerState, c: CompletionOutput, start: int,
+              text_offset: int) -> CompletionLogprobs:
+    tokenizer = state.async_llm.tokenizer
+    result = CompletionLogprobs()
+    offset = text_offset
+    for token_id, (logprob, top) in zip(c.token_ids[start:], c.logprobs[start:]):
+        text = token_text(tokenizer, token_id)
+        result.tokens.append(text)
+        result.token_logprobs.append(logprob)
+        alternatives = {token_text(tokenizer, t): lp for t, lp in top}
+        alternatives.setdefault(text, logprob)
+        result.top_logprobs.append(alternatives)
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
+
+
+async def _stream(state: ServerState, gen: Generation, body: CompletionRequest,
+                  created: int) -> AsyncIterator[str]:
+    n = body.n
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    sent_finish: set[int] = set()
+    offsets: dict[int, int] = {}
+    last: dict[int, RequestOutput] = {}
+    try:
+        async for i, out in gen.outputs():
+            last[i] = out
+            choices = []
+            for c in out.outputs:
+                index = i * n + c.index
+                if index in sent_finish:
+                    continue
+                delta = c.text[sent_text.get(index, 0):]
+                finished = c.finish_reason is not None
+                if not delta and not finished:
+                    continue
+                choice = _choice(state, index, c, delta, sent_tokens.get(index, 0),
+                                 offsets.get(index, 0), finished)
+                if choice.logprobs is not None and choice.logprobs.tokens:
+                    offsets[index] = choice.logprobs.text_offset[-1] + len(choice.logprobs.tokens[-1])
+                sent_text[index] = len(c.text)
+                sent_tokens[index] = len(c.token_ids)
+                if finished:
+                    sent_finish.add(index)
+                choices.append(choice)
+            if choices:
+                yield sse(CompletionResponse(id=gen.request_ids[0], created=created,
+                                             model=state.model_name, choices=choices))
+    except APIError as exc:
+        yield exc.sse()
+        yield DONE_EVENT
+        return
+    if body.include_usage_in_stream:
+        outputs = [last[i] for i in sorted(last)]
+        yield sse(CompletionResponse(id=gen.request_ids[0], created=created, model=state.model_name,
+                                     choices=[], usage=usage_of(outputs)))
+    yield DONE_EVENT
+
+

@@ -1,0 +1,40 @@
+"""Settings of the OpenAI-compatible HTTP server, checked at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # The name clients pass as `model`; None: the engine's model string.
+    served_model_name: Optional[str] = None
+    # Requests accepted but not yet running; beyond this the server answers 429. None: unbounded
+    # (only sensible behind something else that bounds load).
+    max_waiting: Optional[int] = 1024
+    # Seconds a client is told to wait (Retry-After) when the waiting queue is full.
+    retry_after_s: int = 1
+    # Completions' max_tokens when the request gives none (OpenAI's default); chat has no default
+    # and may generate up to max_model_len.
+    default_completion_max_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host must be a non-empty string, got {self.host!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be an integer in [0, 65535], got {self.port!r}")
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
+                                                   or not self.served_model_name):
+            raise ValueError(f"served_model_name must be a non-empty string or None, "
+                             f"got {self.served_model_name!r}")
+        if self.max_waiting is not None:
+            _positive("max_waiting", self.max_waiting)
+        _positive("retry_after_s", self.retry_after_s)
+        _positive("default_completion_max_tokens", self.default_completion_max_tokens)
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,164 @@
+"""What completions and chat share: submitting prompts, following them, and client disconnects."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Optional
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from prefixserve.engine.async_llm import AsyncLLM, RequestStream
+from prefixserve.engine.outputs import RequestOutput
+from prefixserve.entrypoints.server.config import ServerConfig
+from prefixserve.entrypoints.server.errors import APIError, engine_error
+from prefixserve.entrypoints.server.metrics import RequestRecorder, ServerMetrics
+from prefixserve.entrypoints.server.protocol import PromptTokensDetails, Usage
+from prefixserve.sampling_params import SamplingParams
+
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+@dataclass
+class Generation:
+    """The engine requests (one per prompt) behind one HTTP request."""
+    async_llm: AsyncLLM
+    request_ids: list[str]
+    streams: list[RequestStream]
+    recorders: list[RequestRecorder]
+    config: ServerConfig
+    param: str
+    finished: set[int] = field(default_factory=set)
+
+    def abort(self) -> None:
+        """Aborts every prompt not yet finished (idempotent; safe after completion)."""
+        for i, rid in enumerate(self.request_ids):
+            if i not in self.finished:
+                self.async_llm.abort(rid)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, cumulative output) as they arrive from every prompt, until all finish.
+
+        Raises APIError when the engine ends a request with an error.
+        """
+        if len(self.streams) == 1:
+            async for output in self._follow(0):
+                yield 0, output
+            return
+        # Outputs are cumulative: keep only each prompt's newest, so a slow client costs no memory.
+        latest: dict[int, RequestOutput] = {}
+        errors: list[Exception] = []
+        done: set[int] = set()
+        wake = asyncio.Event()
+
+        async def pump(i: int) -> None:
+            try:
+                async for output in self._follow(i):
+                    latest[i] = output
+                    wake.set()
+            except Exception as exc:  # handed to the reader
+                errors.append(exc)
+            finally:
+                done.add(i)
+                wake.set()
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.streams))]
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                if errors:
+                    raise errors[0]
+                ready = sorted(latest.items())
+                latest.clear()
+                for item in ready:
+                    yield item
+                if len(done) == len(tasks) and not latest:
+                    return
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _follow(self, i: int) -> AsyncIterator[RequestOutput]:
+        try:
+            async for output in self.streams[i]:
+                self.recorders[i].observe(output)
+                if output.error is not None:
+                    raise APIError(500, f"the engine ended the request: {output.error}",
+                                   type="server_error", code="engine_error")
+                if output.finished:
+                    self.finished.add(i)
+                yield output
+        except APIError:
+            raise
+        except Exception as exc:
+            raise engine_error(exc, param=self.param, retry_after_s=self.config.retry_after_s)
+
+    async def final_outputs(self, request: Request) -> list[RequestOutput]:
+        """Waits for every prompt to finish; aborts them all if the client disconnects first."""
+        async def abort_on_disconnect() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.abort()
+
+        watcher = asyncio.create_task(abort_on_disconnect())
+        last: dict[int, RequestOutput] = {}
+        try:
+            async for i, output in self.outputs():
+                last[i] = output
+        finally:
+            watcher.cancel()
+            self.abort()
+        return [last[i] for i in range(len(self.streams))]
+
+
+async def submit(async_llm: AsyncLLM, config: ServerConfig, metrics: ServerMetrics, base_id: str,
+                 prompts: list[list[int]], params: SamplingParams, *, cache_salt: Optional[str],
+                 priority: int, param: str) -> Generation:
+    """Adds every prompt; if any is refused, aborts the ones already added and raises APIError."""
+    ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+    streams: list[RequestStream] = []
+    try:
+        for rid, prompt in zip(ids, prompts):
+            streams.append(await async_llm.add_request(
+                rid, {"prompt_token_ids": prompt}, params, cache_salt=cache_salt, priority=priority))
+    except BaseException as exc:
+        for rid in ids[:len(streams)]:
+            async_llm.abort(rid)
+        if isinstance(exc, Exception):
+            raise engine_error(exc, param=param, retry_after_s=config.retry_after_s) from exc
+        raise
+    return Generation(async_llm, ids, streams, [metrics.recorder() for _ in ids], config, param)
+
+
+def usage_of(outputs: list[RequestOutput]) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def sse(model: BaseModel) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose generation is aborted however the response ends.
+
+    Starlette cancels the body when the client disconnects; on_close runs in
+    every case, so the engine frees the request's blocks before its next step.
+    """
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+

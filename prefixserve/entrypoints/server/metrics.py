@@ -1,0 +1,125 @@
+"""Prometheus metrics, named after vLLM's with the `prefixserve:` prefix.
+
+Engine counters and gauges are read from the engine's latest stats snapshot
+at scrape time by a custom collector; per-request latencies are histograms
+fed as outputs arrive. Everything lives in one CollectorRegistry per app.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from prefixserve.engine.outputs import EngineStats, RequestOutput
+
+P = "prefixserve:"
+
+# Seconds; like vLLM's buckets, fine at the low end where a prefix hit lands.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 10.0)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class EngineStatsCollector(Collector):
+    """Turns the engine's stats snapshot into metric families on every scrape."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self._stats = stats
+        self._model = model_name
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(P + name, doc, labels=["model_name"])
+        family.add_metric([self._model], value)
+        return family
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+        family.add_metric([self._model], value)
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                            s.prefix_cache_queries)
+        yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                            s.prefix_cache_hits)
+        yield self._counter("prompt_tokens", "Prompt tokens of scheduled requests.", s.prompt_tokens)
+        yield self._counter("computed_prompt_tokens", "Prompt tokens actually prefilled.",
+                            s.computed_prompt_tokens)
+        yield self._counter("generation_tokens", "Generated tokens.", s.generated_tokens)
+        yield self._counter("num_preemptions", "Requests preempted for lack of KV blocks.",
+                            s.preemptions)
+        yield self._counter("kv_evictions", "Cached KV blocks evicted for reuse.", s.evictions)
+        yield self._counter("engine_steps", "Engine steps run.", s.steps)
+        yield self._gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield self._gauge("kv_blocks_total", "KV blocks in the pool.", s.blocks_total)
+        yield self._gauge("kv_blocks_in_use", "KV blocks referenced by requests.", s.blocks_in_use)
+        yield self._gauge("kv_blocks_cached", "Free KV blocks that still hold a reusable prefix.",
+                          s.blocks_cached)
+        yield self._gauge("kv_blocks_free", "Free KV blocks holding nothing reusable.",
+                          s.blocks_free)
+        yield self._gauge("kv_blocks_pinned", "KV blocks protected by a pin.", s.blocks_pinned)
+        yield self._gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
+                          s.blocks_in_use / s.blocks_total if s.blocks_total else 0.0)
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.registry.register(EngineStatsCollector(stats, model_name))
+        labels = ["model_name"]
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.", labels,
+                              buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = Histogram(P + "inter_token_latency_seconds",
+                             "Time between consecutive output tokens.", labels,
+                             buckets=_ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish.", labels,
+                             buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self._success = Counter(P + "request_success", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=self.registry)
+
+    def recorder(self) -> RequestRecorder:
+        return RequestRecorder(self)
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()
+
+
+class RequestRecorder:
+    """Feeds one engine request's outputs into the latency histograms."""
+
+    def __init__(self, metrics: ServerMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+        self._metrics = metrics
+        self._clock = clock
+        self._tokens = 0
+        self._last_token_time: Optional[float] = None
+
+    def observe(self, output: RequestOutput) -> None:
+        tokens = len(output.outputs[0].token_ids) if output.outputs else 0
+        new = tokens - self._tokens
+        if new > 0:
+            now = self._clock()
+            if self._last_token_time is None:
+                ttft = output.metrics.time_to_first_token
+                if ttft is not None:
+                    self._metrics.ttft.observe(ttft)
+            else:
+                # Outputs are cumulative, so a late reader sees several tokens at once.
+                gap = (now - self._last_token_time) / new
+                for _ in range(new):
+                    self._metrics.itl.observe(gap)
+            self._tokens, self._last_token_time = tokens, now
+        if output.finished:
+            e2e = output.metrics.e2e_latency
+            if e2e is not None:
+                self._metrics.e2e.observe(e2e)
+            for completion in output.outputs:
+                self._metrics.finished(completion.finish_reason or "abort")

@@ -1,0 +1,223 @@
+"""Request and response bodies of the OpenAI-compatible API.
+
+Requests validate strictly (a string where a number belongs is a 400, never
+coerced) and ignore unknown fields as OpenAI does. Range checks live in
+SamplingParams, which names the bad field.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from prefixserve.sampling_params import SamplingParams
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(StrictModel):
+    """Fields both endpoints share: sampling, streaming and the prefixserve extensions."""
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: Optional[dict[str, float]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # Requests with different salts never share cached blocks (tenant isolation).
+    cache_salt: Optional[str] = None
+    # Higher is more important: scheduled first, preempted and evicted last.
+    priority: int = 0
+
+    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        """Raises ValueError naming the bad field."""
+        def given(value: Any, default: Any) -> Any:
+            return default if value is None else value
+        return SamplingParams(
+            n=self.n,
+            temperature=given(self.temperature, 1.0),
+            top_p=given(self.top_p, 1.0),
+            top_k=given(self.top_k, 0),
+            min_p=given(self.min_p, 0.0),
+            repetition_penalty=given(self.repetition_penalty, 1.0),
+            presence_penalty=given(self.presence_penalty, 0.0),
+            frequency_penalty=given(self.frequency_penalty, 0.0),
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=given(self.stop, []),
+            stop_token_ids=given(self.stop_token_ids, []),
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = None
+    logprobs: Optional[int] = None
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+class ContentPart(StrictModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(StrictModel):
+    # Templates may read fields we do not know (tool_calls, reasoning_content, ...): keep them.
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+# ------------------------------------------------------------------ responses
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    # Always present, 0 included: how many prompt tokens came from the prefix cache.
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+    system_fingerprint: Optional[str] = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] = Field(default_factory=list)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: Optional[str] = None
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None
+    system_fingerprint: Optional[str] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "prefixserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
