@@ -313,6 +313,9 @@ class LLMEngine:
             if req.is_finished and sample.finish_reason is None:
                 sample.finish_reason = req.status.value
                 sample.stop_reason = req.stop_reason
+                if not isinstance(req.stop_reason, str):
+                    # A generation cut mid-character still shows what decode() of all ids shows.
+                    sample.text += sample.detokenizer.finish()
             all_done &= req.is_finished
             if sample.index == 0:
                 num_cached = max(req.num_cached_tokens, 0)
