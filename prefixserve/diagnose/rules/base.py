@@ -1,0 +1,84 @@
+"""What every rule sees (a request and the closest earlier request) and what it reports."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol
+
+from prefixserve.diagnose.render import RenderedRequest, Span
+from prefixserve.diagnose.textdiff import normalize_whitespace
+
+
+@dataclass
+class Pair:
+    current: RenderedRequest
+    earlier: RenderedRequest
+    position: int                      # tokens shared from the start (first differing token)
+    block_size: int
+    count_tokens: Callable[[str], int]
+
+    def position_in(self, span: Optional[Span]) -> int:
+        """Where an issue in `span` starts: the divergence when it lies in the span."""
+        if span is None:
+            return self.position
+        return self.position if span.start <= self.position < span.end else span.start
+
+
+@dataclass
+class Finding:
+    rule: str
+    request_id: str
+    compared_to: str
+    position: int          # token of the current request where the issue starts
+    part: str
+    detail: str
+    before: str            # evidence from the earlier request
+    after: str             # evidence from the current request
+    fix_data: dict = field(default_factory=dict)
+    tokens_lost: int = 0
+
+    def to_dict(self) -> dict:
+        return {"rule": self.rule, "request_id": self.request_id, "compared_to": self.compared_to,
+                "position": self.position, "part": self.part, "detail": self.detail,
+                "before": self.before, "after": self.after, "tokens_lost": self.tokens_lost}
+
+
+class Rule(Protocol):
+    id: str
+    title: str
+    fix: str
+
+    def check(self, pair: Pair) -> Optional[Finding]: ...
+
+
+def system_text(req: RenderedRequest) -> Optional[str]:
+    msgs = req.record.messages
+    if msgs and msgs[0]["role"] == "system" and isinstance(msgs[0].get("content"), str):
+        return msgs[0]["content"]
+    return None
+
+
+def message_key(msg: dict) -> str:
+    """A message's identity for comparisons: role, content and tool calls."""
+    return json.dumps([msg.get("role"), msg.get("content"), msg.get("tool_calls"),
+                       msg.get("tool_call_id")], sort_keys=True)
+
+
+def excerpt(text: str, start: int, width: int = 70) -> str:
+    """`width` characters of text around start, with ellipses where cut."""
+    lo = max(0, start - width // 3)
+    hi = min(len(text), lo + width)
+    out = text[lo:hi]
+    return ("…" if lo > 0 else "") + out + ("…" if hi < len(text) else "")
+
+
+def first_difference(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def whitespace_equal(a: str, b: str) -> bool:
+    return a != b and normalize_whitespace(a) == normalize_whitespace(b)

@@ -1,0 +1,73 @@
+"""Request log parsing: both record shapes, salts, ordering, and clear errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prefixserve.diagnose.log_reader import LogFormatError, read_log
+
+
+def write(tmp_path, lines):
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join(l if isinstance(l, str) else json.dumps(l) for l in lines) + "\n")
+    return path
+
+
+def test_bare_bodies_and_wrappers(tmp_path):
+    path = write(tmp_path, [
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "cache_salt": "s1"},
+        "",
+        "# a comment",
+        {"body": {"model": "m", "prompt": "once upon"}, "tenant": "acme", "request_id": "r2",
+         "response": {"choices": [{"text": " a time"}], "usage": {"completion_tokens": 3}}},
+        {"body": {"prompt": [5, 6, 7]}, "output_tokens": 4},
+        {"body": {"prompt": ["a", "b"]}, "id": "batch"},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                                    {"type": "text", "text": "y"}]}]},
+    ])
+    records = read_log(path)
+    assert [r.request_id for r in records] == ["line1", "r2", "line5", "batch#0", "batch#1", "line7"]
+    assert records[0].is_chat and records[0].cache_salt == "s1" and records[0].tenant is None
+    assert records[1].prompt == "once upon" and records[1].cache_salt == "acme"
+    assert records[1].output_text == " a time" and records[1].output_tokens == 3
+    assert records[2].prompt == [5, 6, 7] and records[2].output_tokens == 4
+    assert records[5].messages[0]["content"] == "xy"
+
+
+def test_cache_salt_wins_over_tenant(tmp_path):
+    path = write(tmp_path, [{"body": {"prompt": "p"}, "tenant": "t", "cache_salt": "s"}])
+    assert read_log(path)[0].cache_salt == "s"
+
+
+def test_timestamps_order_the_log_when_all_present(tmp_path):
+    path = write(tmp_path, [{"body": {"prompt": "a"}, "timestamp": 20, "id": "late"},
+                            {"body": {"prompt": "b"}, "timestamp": "1970-01-01T00:00:10Z", "id": "early"}])
+    assert [r.request_id for r in read_log(path)] == ["early", "late"]
+    path = write(tmp_path, [{"body": {"prompt": "a"}, "timestamp": 20, "id": "late"},
+                            {"body": {"prompt": "b"}, "id": "untimed"}])
+    assert [r.request_id for r in read_log(path)] == ["late", "untimed"]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "not valid JSON"),
+    ('[1, 2]', "must be a JSON object"),
+    ('{"model": "m"}', "neither 'messages'"),
+    ('{"messages": []}', "non-empty list"),
+    ('{"prompt": "x", "cache_salt": ""}', "cache_salt"),
+    ('{"prompt": [1, -2]}', "token ids"),
+    ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "only text parts"),
+    ('{"prompt": "x", "timestamp": "yesterday"}', "timestamp"),
+])
+def test_bad_lines_name_the_line_and_problem(tmp_path, line, message):
+    path = write(tmp_path, ['{"prompt": "ok"}', line])
+    with pytest.raises(LogFormatError, match=message) as info:
+        read_log(path)
+    assert ":2" in str(info.value)
+
+
+def test_missing_and_empty_logs(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        read_log(tmp_path / "nope.jsonl")
+    with pytest.raises(LogFormatError, match="no requests"):
+        read_log(write(tmp_path, [""]))

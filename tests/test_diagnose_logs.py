@@ -1,0 +1,108 @@
+"""Request logs written for the diagnose tests: one per rule, plus a clean one (no tests here)."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+STABLE = "\n".join(
+    f"Rule {i}: answer questions about the Contoso help desk politely, cite the manual section "
+    f"and never invent ticket numbers or product names." for i in range(1, 7))
+WORDS = "printer login password invoice laptop screen network badge vpn email calendar".split()
+
+
+def question(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(10)) + "?"
+
+
+def tool(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "description": f"Call {name}.",
+                                             "parameters": {"type": "object", "properties": {
+                                                 "q": {"type": "string"}}}}}
+
+
+TOOLS = [tool("lookup_ticket"), tool("search_manual"), tool("reset_password")]
+
+
+def chat(messages: list[dict], tenant: str = "t", tools=None, **extra) -> dict:
+    body = {"model": "m", "messages": messages}
+    if tools:
+        body["tools"] = tools
+    return {"tenant": tenant, "body": body, **extra}
+
+
+def sys(text: str) -> dict:
+    return {"role": "system", "content": text}
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def clean_log(seed: int = 0) -> list[dict]:
+    """Stable system + tools first, history appended, new question last: nothing to report."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(2):
+        msgs = [sys(STABLE)]
+        for _ in range(3):
+            msgs.append(user(question(rng)))
+            out.append(chat(list(msgs), tools=TOOLS))
+            msgs.append(assistant(question(rng)))
+    return out
+
+
+def dynamic_system_log(seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [chat([sys(f"Now: 2025-01-{day:02d} {rng.randint(10, 23)}:{rng.randint(10, 59)}. "
+                      f"User {name}.\n{STABLE}"), user(question(rng))])
+            for day, name in zip(range(3, 8), ["Alice", "Bob", "Carla", "Dmitri", "Emma"])]
+
+
+def history_rewrite_log(seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    u1, a1, u2, a2, u3 = (question(rng) for _ in range(5))
+    return [chat([sys(STABLE), user(u1)]),
+            chat([sys(STABLE), user(u1), assistant(a1), user(u2)]),
+            chat([sys(STABLE), user("Summary of the conversation so far: printer trouble."),
+                  user(u2), assistant(a2), user(u3)])]
+
+
+def tool_order_log(seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    reordered = [TOOLS[2], TOOLS[0], TOOLS[1]]
+    rekeyed = [{k: t[k] for k in reversed(list(t))} for t in TOOLS]
+    return [chat([sys(STABLE), user(question(rng))], tools=t) for t in (TOOLS, reordered, rekeyed)]
+
+
+def whitespace_drift_log(seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    variants = [STABLE, STABLE.replace("\n", "\r\n"), STABLE.replace(", ", ",  ", 2) + "\n",
+                STABLE.replace("politely,", "politely, ", 1)]
+    return [chat([sys(v), user(question(rng))]) for v in variants]
+
+
+def short_prefix_log(seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [chat([sys("Be brief."), user(f"{lead} {question(rng)}")])
+            for lead in ("Why", "How", "When", "Where")]
+
+
+def volatile_prefix_log(seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [chat([sys("Snippets:\n" + "\n".join(question(rng) + " " + question(rng) for _ in range(2))
+                      + "\n\n" + STABLE), user(question(rng))]) for _ in range(4)]
+
+
+RULE_LOGS = {"dynamic-system": dynamic_system_log, "history-rewrite": history_rewrite_log,
+             "tool-order": tool_order_log, "whitespace-drift": whitespace_drift_log,
+             "short-prefix": short_prefix_log, "volatile-prefix": volatile_prefix_log}
+
+
+def write_log(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
