@@ -1,0 +1,153 @@
+"""Chained content hashes of full KV blocks.
+
+A block's hash is H(message) over an unambiguous byte message:
+
+    u16 len(parent) | u32 number of tokens | parent hash | token ids as u32 little-endian |
+    u32 len(extras) | extras
+
+where extras is a sequence of type-tagged keys, each `u16 len(tag) | tag | kind byte |
+u32 len(value) | value` (kind b"s" str as UTF-8, b"b" bytes, b"i" int in decimal). Every
+variable-length part is length-prefixed, so no salt can be read as a token or as another kind
+of key. The first block's parent is a seed hashed from the algorithm and the model identity,
+so the same tokens give the same hashes in every process and after a restart.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from array import array
+from typing import Callable, Iterator, Optional, Sequence
+
+import xxhash
+
+from prefixserve.kv.config import HASH_ALGOS
+
+BlockHash = bytes
+HashFn = Callable[[bytes], BlockHash]
+ExtraKeys = tuple  # tuple of (tag: str, value: str | bytes | int)
+
+SALT_TAG = "salt"
+ADAPTER_TAG = "adapter"
+_SEED_DOMAIN = b"prefixserve/kv/seed/v1\x00"
+
+_U32_TYPECODE = next(code for code in "ILH" if array(code).itemsize == 4)
+_BIG_ENDIAN = sys.byteorder == "big"
+_HEADER = struct.Struct("<HI")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+_ALGO_FNS: dict[str, HashFn] = {
+    "xxh3_64": xxhash.xxh3_64_digest,
+    "xxh3_128": xxhash.xxh3_128_digest,
+    "sha256": _sha256,
+}
+assert set(_ALGO_FNS) == set(HASH_ALGOS)
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian u32, the form hashed and stored per block."""
+    try:
+        arr = array(_U32_TYPECODE, token_ids)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be ints in [0, 2**32): {exc}") from None
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def encode_extra_keys(extra_keys: ExtraKeys) -> bytes:
+    """The length-prefixed, type-tagged encoding of a block's extra keys."""
+    parts = []
+    for key in extra_keys:
+        if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str)):
+            raise ValueError(f"an extra key must be a (tag: str, value) pair, got {key!r}")
+        tag, value = key
+        if isinstance(value, str):
+            kind, payload = b"s", value.encode("utf-8")
+        elif isinstance(value, bytes):
+            kind, payload = b"b", value
+        elif isinstance(value, int) and not isinstance(value, bool):
+            kind, payload = b"i", str(value).encode("ascii")
+        else:
+            raise ValueError(f"extra key {tag!r} has a value of unsupported type: {value!r}")
+        tag_bytes = tag.encode("utf-8")
+        parts.append(_U16.pack(len(tag_bytes)) + tag_bytes + kind
+                     + _U32.pack(len(payload)) + payload)
+    body = b"".join(parts)
+    return _U32.pack(len(body)) + body
+
+
+def request_extra_keys(cache_salt: Optional[str],
+                       adapter_key: Optional[str]) -> tuple[ExtraKeys, ExtraKeys]:
+    """(keys of block 0, keys of every later block): the salt enters block 0 only (the chain
+    carries it on), the adapter key enters every block."""
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a str or None, got {cache_salt!r}")
+    if adapter_key is not None and not isinstance(adapter_key, str):
+        raise ValueError(f"adapter_key must be a str or None, got {adapter_key!r}")
+    rest: ExtraKeys = ((ADAPTER_TAG, adapter_key),) if adapter_key is not None else ()
+    first: ExtraKeys = (((SALT_TAG, cache_salt),) if cache_salt is not None else ()) + rest
+    return first, rest
+
+
+class BlockHasher:
+    def __init__(self, algo: str = "xxh3_64", model_identity: str = "",
+                 hash_fn: Optional[HashFn] = None) -> None:
+        if algo not in _ALGO_FNS:
+            raise ValueError(f"algo must be one of {HASH_ALGOS}, got {algo!r}")
+        if not isinstance(model_identity, str):
+            raise ValueError(f"model_identity must be a str, got {model_identity!r}")
+        self.algo = algo
+        self.model_identity = model_identity
+        # hash_fn replaces the algorithm (tests inject a colliding one).
+        self._fn: HashFn = hash_fn if hash_fn is not None else _ALGO_FNS[algo]
+        self.seed: BlockHash = self._fn(
+            _SEED_DOMAIN + algo.encode("ascii") + b"\x00" + model_identity.encode("utf-8"))
+
+    def hash_block(self, parent: Optional[BlockHash], token_ids: Sequence[int],
+                   extra_keys: ExtraKeys = ()) -> BlockHash:
+        return self.hash_encoded(self.seed if parent is None else parent,
+                                 token_bytes(token_ids), encode_extra_keys(extra_keys))
+
+    def hash_encoded(self, parent: BlockHash, tokens: bytes, extras: bytes) -> BlockHash:
+        """Hash of one block from its encoded parts (tokens from token_bytes, extras from
+        encode_extra_keys)."""
+        return self._fn(_HEADER.pack(len(parent), len(tokens) >> 2) + parent + tokens + extras)
+
+    def iter_chain(self, parent: BlockHash, tokens: bytes, block_size: int, first_index: int,
+                   extras_first: bytes, extras_rest: bytes) -> Iterator[tuple[bytes, BlockHash]]:
+        """(block tokens, hash) of each full block in `tokens`, whose first block has index
+        first_index in its request and `parent` as its parent hash."""
+        fn = self._fn
+        step = block_size * 4
+        # Built-in algorithms give fixed-length digests, so the header is built once; an injected
+        # hash_fn may return digests of any length.
+        parent_len = len(parent)
+        header = _HEADER.pack(parent_len, block_size)
+        extras = extras_first if first_index == 0 else extras_rest
+        for offset in range(0, len(tokens) - step + 1, step):
+            if len(parent) != parent_len:
+                parent_len = len(parent)
+                header = _HEADER.pack(parent_len, block_size)
+            block = tokens[offset:offset + step]
+            parent = fn(header + parent + block + extras)
+            extras = extras_rest
+            yield block, parent
+
+    def hash_prompt(self, token_ids: Sequence[int], block_size: int,
+                    cache_salt: Optional[str] = None,
+                    adapter_key: Optional[str] = None) -> list[BlockHash]:
+        """Hashes of all full blocks of token_ids."""
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        first, rest = request_extra_keys(cache_salt, adapter_key)
+        num_full = len(token_ids) // block_size * block_size
+        tokens = token_bytes(token_ids[:num_full])
+        return [h for _, h in self.iter_chain(self.seed, tokens, block_size, 0,
+                                              encode_extra_keys(first), encode_extra_keys(rest))]

@@ -1,0 +1,397 @@
+"""Per-request KV block bookkeeping with automatic prefix caching.
+
+The manager never touches tensors: it decides which physical blocks hold which tokens, which
+full blocks can be shared through the hash index, and which (src, dst) block copies the worker
+must make before a forward. Every call here is on the engine's per-step path, so work is per
+block (never per token) except for hashing the blocks that just became full.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Optional, Sequence
+
+from prefixserve.kv.allocation import Allocation, PrefixHit
+from prefixserve.kv.block import NO_PARENT
+from prefixserve.kv.block_pool import BlockPool
+from prefixserve.kv.config import KVCacheConfig
+from prefixserve.kv.eviction import make_policy
+from prefixserve.kv.hashing import (BlockHasher, HashFn, encode_extra_keys, request_extra_keys,
+                                    token_bytes)
+from prefixserve.kv.integrity import check_integrity
+from prefixserve.kv.pins import PinInfo, PinRegistry
+from prefixserve.kv.request_blocks import RequestBlocks
+from prefixserve.kv.stats import KVCacheCounters, KVCacheStats
+
+# Lookups hash a prompt in chunks of this many blocks, so a miss early in a long prompt does
+# not pay for serialising all of it.
+_LOOKUP_CHUNK_BLOCKS = 64
+_EXTRAS_CACHE_SIZE = 1024
+
+
+class KVCacheManager:
+    def __init__(self, config: KVCacheConfig, clock: Callable[[], float] = time.monotonic,
+                 hash_fn: Optional[HashFn] = None,
+                 max_pinned_blocks: Optional[int] = None) -> None:
+        if not isinstance(config, KVCacheConfig):
+            raise ValueError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        if max_pinned_blocks is not None:
+            # Validated through the config so both ways of setting the cap obey one rule.
+            config = dataclasses.replace(config, max_pinned_blocks=max_pinned_blocks)
+        self.config = config
+        self.block_size = config.block_size
+        self.num_blocks = config.num_blocks
+        self.enable_prefix_caching = config.enable_prefix_caching
+        self.hasher = BlockHasher(config.hash_algo, config.model_identity, hash_fn)
+        self._clock = clock
+        self._pool = BlockPool(config.num_blocks, make_policy(config.eviction_policy))
+        self._pins = PinRegistry(config.max_pinned_blocks)
+        self._requests: dict[str, RequestBlocks] = {}
+        self._counters = KVCacheCounters()
+        self._extras: dict[tuple[Optional[str], Optional[str]], tuple[bytes, bytes]] = {}
+
+    # ------------------------------------------------------------------ lookup
+    def find_cached_prefix(self, request_id: str, token_ids: Sequence[int], *,
+                           cache_salt: Optional[str] = None, adapter_key: Optional[str] = None,
+                           preempted: bool = False) -> PrefixHit:
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already holds blocks; look up a prefix "
+                             "only for a request without blocks (new, or preempted and freed)")
+        extras_first, extras_rest = self._encoded_extras(cache_salt, adapter_key)
+        hit = PrefixHit([], 0, query_tokens=len(token_ids), preempted=preempted)
+        if self.enable_prefix_caching:
+            # The last token is always computed: its logits are needed.
+            max_blocks = (len(token_ids) - 1) // self.block_size
+            self._walk(token_ids, max_blocks, extras_first, extras_rest,
+                       hit.block_ids, hit.generations)
+            hit.num_tokens = len(hit.block_ids) * self.block_size
+        return hit
+
+    def _walk(self, token_ids: Sequence[int], max_blocks: int, extras_first: bytes,
+              extras_rest: bytes, ids: list[int], gens: list[int]) -> None:
+        """Appends to ids/gens the longest chain of cached blocks matching token_ids. A block
+        counts only if its stored tokens and extra keys equal the request's and it was
+        registered as the child of the block matched just before it (same id and generation):
+        a hash collision can cost a miss, never a wrong hit."""
+        bs = self.block_size
+        blocks, index = self._pool.blocks, self._pool.index
+        iter_chain = self.hasher.iter_chain
+        parent_hash = self.hasher.seed
+        prev, prev_gen = NO_PARENT, 0
+        i = 0
+        chunk = _LOOKUP_CHUNK_BLOCKS
+        while i < max_blocks:
+            end = min(max_blocks, i + chunk)
+            tokens = token_bytes(token_ids[i * bs:end * bs])
+            for tok, block_hash in iter_chain(parent_hash, tokens, bs, i, extras_first,
+                                              extras_rest):
+                block_id = index.get(block_hash)
+                if block_id is None:
+                    return
+                block = blocks[block_id]
+                if (block.parent != prev or block.parent_gen != prev_gen or block.tokens != tok
+                        or block.extras != (extras_rest if i else extras_first)):
+                    return
+                prev, prev_gen, parent_hash = block_id, block.gen, block_hash
+                ids.append(block_id)
+                gens.append(prev_gen)
+                i += 1
+            chunk *= 2
+
+    # -------------------------------------------------------------- allocation
+    def allocate_slots(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                       num_new_tokens: int, *, hit: Optional[PrefixHit] = None,
+                       cache_salt: Optional[str] = None, adapter_key: Optional[str] = None,
+                       priority: int = 0) -> Optional[Allocation]:
+        if num_computed_tokens < 0 or num_new_tokens < 0:
+            raise ValueError(f"num_computed_tokens ({num_computed_tokens}) and num_new_tokens "
+                             f"({num_new_tokens}) must be >= 0")
+        end = num_computed_tokens + num_new_tokens
+        if len(token_ids) < end:
+            raise ValueError(f"token_ids has {len(token_ids)} entries but num_computed_tokens + "
+                             f"num_new_tokens = {end}")
+        if self._pins.may_expire:
+            self._expire_pins()
+        bs = self.block_size
+        pool = self._pool
+        blocks = pool.blocks
+        req = self._requests.get(request_id)
+        cow: list[int] = []
+        reclaimed = 0
+        if req is None:
+            hit_ids = hit.block_ids if hit is not None else []
+            if num_computed_tokens != len(hit_ids) * bs:
+                raise ValueError(
+                    f"request {request_id!r} has no blocks yet: num_computed_tokens "
+                    f"({num_computed_tokens}) must equal the hit's {len(hit_ids) * bs} tokens")
+            if hit_ids:
+                self._check_hit(request_id, hit)
+                # Hit blocks leave the eviction queue, so they cannot also be evicted for us.
+                reclaimed = sum(1 for b in hit_ids if blocks[b].ref == 0)
+            have = len(hit_ids)
+        else:
+            if hit is not None:
+                raise ValueError(f"request {request_id!r} already holds blocks; pass a hit "
+                                 "only on its first allocation")
+            table = req.table
+            have = len(table)
+            if num_computed_tokens > have * bs:
+                raise ValueError(
+                    f"request {request_id!r}: num_computed_tokens ({num_computed_tokens}) is "
+                    f"beyond its {have} blocks")
+            if num_new_tokens:
+                # Blocks this call writes into that another holder still reads: copy first.
+                last = min(have, (end - 1) // bs + 1)
+                cow = [j for j in range(num_computed_tokens // bs, last)
+                       if blocks[table[j]].ref > 1]
+        grow = max(0, -(-end // bs) - have)
+        if grow + len(cow) > pool.num_available - reclaimed:
+            return None
+        # Everything that can reject bad input runs before the first change.
+        if req is None:
+            extras_first, extras_rest = self._encoded_extras(cache_salt, adapter_key)
+        hashed = len(req.hashes) if req is not None else have
+        num_full = end // bs
+        new_full_tokens = (token_bytes(token_ids[hashed * bs:num_full * bs])
+                           if self.enable_prefix_caching and num_full > hashed else None)
+
+        # Commit: nothing below can fail.
+        if req is None:
+            req = RequestBlocks(list(hit_ids), extras_first, extras_rest, priority)
+            self._requests[request_id] = req
+            if hit is not None:
+                self._take_hit(req, hit, priority)
+        copies = []
+        if cow:
+            table = req.table
+            fresh = pool.allocate(len(cow), priority)
+            for j, dst in zip(cow, fresh):
+                src = table[j]
+                table[j] = dst
+                copies.append((src, dst))
+            pool.release(src for src, _ in copies)
+            self._counters.cow_copies += len(copies)
+        new_ids = pool.allocate(grow, priority) if grow else []
+        req.table.extend(new_ids)
+        if new_full_tokens is not None:
+            self._register(req, new_full_tokens)
+        return Allocation(new_ids, copies)
+
+    def _check_hit(self, request_id: str, hit: PrefixHit) -> None:
+        blocks = self._pool.blocks
+        if hit.num_tokens != len(hit.block_ids) * self.block_size:
+            raise ValueError(f"hit for {request_id!r}: num_tokens ({hit.num_tokens}) is not "
+                             f"{len(hit.block_ids)} blocks of {self.block_size}")
+        gens = hit.generations
+        for i, block_id in enumerate(hit.block_ids):
+            block = blocks[block_id]
+            if block.hash is None or (gens and gens[i] != block.gen):
+                raise ValueError(
+                    f"hit for {request_id!r} is stale: block {block_id} was evicted or reused "
+                    "after the lookup; look up and allocate in the same step")
+
+    def _take_hit(self, req: RequestBlocks, hit: PrefixHit, priority: int) -> None:
+        blocks = self._pool.blocks
+        ids = hit.block_ids
+        self._pool.take(ids, priority)
+        req.hashes = [blocks[b].hash for b in ids]
+        req.canon = list(ids)
+        req.canon_gen = [blocks[b].gen for b in ids]
+        counters = self._counters
+        if hit.preempted:
+            counters.recomputed_queries += 1
+            counters.recomputed_query_tokens += hit.query_tokens
+            counters.recomputed_hit_tokens += hit.num_tokens
+        else:
+            counters.queries += 1
+            counters.query_tokens += hit.query_tokens
+            counters.hit_tokens += hit.num_tokens
+
+    def _register(self, req: RequestBlocks, tokens: bytes) -> None:
+        """Hashes the request's newly full blocks (their tokens, from token_bytes, follow its
+        last hashed block) and puts them in the index, so that requests scheduled later in this
+        step, or later, can share them."""
+        bs = self.block_size
+        pool = self._pool
+        blocks, index = pool.blocks, pool.index
+        table, hashes, canon, canon_gen = req.table, req.hashes, req.canon, req.canon_gen
+        extras_first, extras_rest = req.extras_first, req.extras_rest
+        i = len(hashes)
+        parent_hash = hashes[-1] if i else self.hasher.seed
+        for tok, block_hash in self.hasher.iter_chain(parent_hash, tokens, bs, i,
+                                                      extras_first, extras_rest):
+            hashes.append(block_hash)
+            extras = extras_rest if i else extras_first
+            link, link_gen = (canon[i - 1], canon_gen[i - 1]) if i else (NO_PARENT, 0)
+            if i and (link == NO_PARENT or blocks[link].gen != link_gen):
+                # The chain above this block is no longer in the index (evicted, replaced or
+                # reset): a lookup could never reach this block, so it is not registered.
+                self._cut(canon, canon_gen)
+            else:
+                existing = index.get(block_hash)
+                equal = existing is not None and self._same_block(
+                    existing, tok, extras, link, link_gen)
+                if equal:
+                    # Computed twice (forks, concurrent chunked prefills): the first copy
+                    # stays the one lookups find, and this request's chain continues from it.
+                    canon.append(existing)
+                    canon_gen.append(blocks[existing].gen)
+                elif existing is not None and blocks[existing].ref > 0:
+                    self._cut(canon, canon_gen)   # a colliding block in use keeps its place
+                else:
+                    if existing is not None:
+                        pool.uncache(existing)    # a colliding or orphaned free block
+                    block_id = table[i]
+                    pool.register(block_id, block_hash, tok, extras, link, link_gen,
+                                  parent_hash)
+                    canon.append(block_id)
+                    canon_gen.append(blocks[block_id].gen)
+            parent_hash = block_hash
+            i += 1
+
+    def _same_block(self, block_id: int, tokens: bytes, extras: bytes, link: int,
+                    link_gen: int) -> bool:
+        block = self._pool.blocks[block_id]
+        return (block.parent == link and block.parent_gen == link_gen and block.tokens == tokens
+                and block.extras == extras)
+
+    @staticmethod
+    def _cut(canon: list[int], canon_gen: list[int]) -> None:
+        canon.append(NO_PARENT)
+        canon_gen.append(0)
+
+    def _encoded_extras(self, cache_salt: Optional[str],
+                        adapter_key: Optional[str]) -> tuple[bytes, bytes]:
+        key = (cache_salt, adapter_key)
+        encoded = self._extras.get(key)
+        if encoded is None:
+            first, rest = request_extra_keys(cache_salt, adapter_key)
+            encoded = (encode_extra_keys(first), encode_extra_keys(rest))
+            if len(self._extras) >= _EXTRAS_CACHE_SIZE:
+                self._extras.clear()
+            self._extras[key] = encoded
+        return encoded
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether num_blocks fresh blocks could be handed out now (free + evictable)."""
+        if self._pins.may_expire:
+            self._expire_pins()
+        return self._pool.num_available >= num_blocks
+
+    def num_blocks_needed(self, request_id: str, total_tokens: int) -> int:
+        """Blocks to add so that request_id can hold total_tokens (copy-on-write not counted)."""
+        req = self._requests.get(request_id)
+        have = len(req.table) if req is not None else 0
+        return max(0, -(-total_tokens // self.block_size) - have)
+
+    def block_table(self, request_id: str) -> list[int]:
+        """A copy of the request's block table ([] for a request without blocks)."""
+        req = self._requests.get(request_id)
+        return list(req.table) if req is not None else []
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    # --------------------------------------------------------------- lifecycle
+    def free(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            # Tail first: under LRU a chain's tail is evicted before its head, which other
+            # prompts are likelier to share.
+            self._pool.release(reversed(req.table))
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        parent = self._requests.get(parent_id)
+        if parent is None:
+            raise ValueError(f"cannot fork unknown request {parent_id!r}")
+        if child_id in self._requests:
+            raise ValueError(f"cannot fork into {child_id!r}: that request already holds blocks")
+        for block_id in parent.table:
+            self._pool.share(block_id)
+        self._requests[child_id] = parent.fork()
+
+    # -------------------------------------------------------------------- pins
+    def pin_prefix(self, token_ids: Sequence[int], *, cache_salt: Optional[str] = None,
+                   adapter_key: Optional[str] = None, num_tokens: Optional[int] = None,
+                   ttl_s: Optional[float] = None) -> PinInfo:
+        """Pins the cached full blocks of token_ids' longest cached prefix (of its first
+        num_tokens tokens if given). Nothing cached: returns a PinInfo with pin_id None and no
+        blocks, and pins nothing."""
+        if num_tokens is not None and (isinstance(num_tokens, bool)
+                                       or not isinstance(num_tokens, int) or num_tokens < 0):
+            raise ValueError(f"num_tokens must be None or an int >= 0, got {num_tokens!r}")
+        if ttl_s is not None and not ttl_s > 0:
+            raise ValueError(f"ttl_s must be None or > 0 seconds, got {ttl_s!r}")
+        self._expire_pins()
+        limit = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
+        ids: list[int] = []
+        if self.enable_prefix_caching:
+            extras_first, extras_rest = self._encoded_extras(cache_salt, adapter_key)
+            self._walk(token_ids, limit // self.block_size, extras_first, extras_rest, ids, [])
+        expires_at = None if ttl_s is None else self._clock() + ttl_s
+        if not ids:
+            return PinInfo(None, [], 0, expires_at)
+        key = tuple(ids)
+        pin_id = self._pins.find(key)
+        if pin_id is not None:
+            return self._pins.refresh(pin_id, expires_at)
+        self._pins.check_cap(key)
+        for block_id in ids:
+            self._pool.share(block_id)
+        return self._pins.add(key, len(ids) * self.block_size, expires_at)
+
+    def unpin(self, pin_id: Optional[str]) -> bool:
+        """Releases a pin; returns False (and does nothing) if no such pin lives, e.g. because
+        it expired."""
+        released = self._pins.remove(pin_id) if pin_id is not None else None
+        if released is None:
+            return False
+        self._pool.release(reversed(released))
+        return True
+
+    def pins(self) -> list[PinInfo]:
+        self._expire_pins()
+        return self._pins.infos()
+
+    def _expire_pins(self) -> None:
+        if self._pins.may_expire:
+            for released in self._pins.pop_expired(self._clock()):
+                self._pool.release(reversed(released))
+
+    # ------------------------------------------------------------ whole cache
+    def reset_prefix_cache(self) -> int:
+        """Drops every pin and every hash: cached free blocks become free-uncached and blocks in
+        use stop being shareable. Returns how many hashes were dropped."""
+        for released in self._pins.clear():
+            self._pool.release(reversed(released))
+        return self._pool.reset()
+
+    def stats(self) -> KVCacheStats:
+        self._expire_pins()
+        pool, c = self._pool, self._counters
+        return KVCacheStats(
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free,
+            num_cached_free_blocks=pool.num_evictable,
+            num_used_blocks=pool.num_blocks - pool.num_available,
+            num_pinned_blocks=self._pins.num_pinned_blocks,
+            num_cached_blocks=len(pool.index),
+            num_requests=len(self._requests),
+            queries=c.queries,
+            query_tokens=c.query_tokens,
+            hit_tokens=c.hit_tokens,
+            recomputed_queries=c.recomputed_queries,
+            recomputed_query_tokens=c.recomputed_query_tokens,
+            recomputed_hit_tokens=c.recomputed_hit_tokens,
+            evictions=pool.num_evictions,
+            cow_copies=c.cow_copies,
+        )
+
+    def eviction_order(self) -> list[int]:
+        """Free-cached blocks, next to be evicted first (for tests and diagnostics)."""
+        return self._pool.policy.order()
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError naming the first violated invariant."""
+        check_integrity(self._pool, self._requests, self._pins.pin_counts(), self.hasher,
+                        self.block_size)

@@ -1,0 +1,36 @@
+"""What the KV manager knows about one request."""
+from __future__ import annotations
+
+from prefixserve.kv.hashing import BlockHash
+
+
+class RequestBlocks:
+    """A request's block table and the hash chain of its full blocks.
+
+    hashes[i] is the content hash of full block i. canon[i] is the physical block that stands
+    for block i in the hash index (the request's own block, a hit block, or an equal block that
+    another request registered first), with canon_gen[i] its generation at that time; a later
+    block is registered as the child of canon[i] only while that generation still matches.
+    canon[i] is NO_PARENT when the chain was cut at or before block i.
+    """
+
+    __slots__ = ("table", "hashes", "canon", "canon_gen", "extras_first", "extras_rest",
+                 "priority")
+
+    def __init__(self, table: list[int], extras_first: bytes, extras_rest: bytes,
+                 priority: int) -> None:
+        self.table = table
+        self.hashes: list[BlockHash] = []
+        self.canon: list[int] = []
+        self.canon_gen: list[int] = []
+        self.extras_first = extras_first
+        self.extras_rest = extras_rest
+        self.priority = priority
+
+    def fork(self) -> RequestBlocks:
+        child = RequestBlocks(list(self.table), self.extras_first, self.extras_rest,
+                              self.priority)
+        child.hashes = list(self.hashes)
+        child.canon = list(self.canon)
+        child.canon_gen = list(self.canon_gen)
+        return child
