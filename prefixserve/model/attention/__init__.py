@@ -1,0 +1,1 @@
+"""Attention over the paged KV pool: per-step metadata and interchangeable backends."""

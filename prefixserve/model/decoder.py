@@ -1,0 +1,114 @@
+"""The decoder-only transformer shared by the Qwen3, Qwen2 and Llama families.
+
+The families differ only in switches the config carries: q/k/v biases (Qwen2),
+per-head RMSNorm on q and k (Qwen3), rope scaling (Llama 3), tied embeddings.
+The forward pass runs on a flat batch: the new tokens of many sequences, each
+with its position, attending through the paged KV pool described by the
+attention metadata.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixserve.model.attention.backend import AttentionBackend, get_attention_backend
+from prefixserve.model.attention.metadata import AttentionMetadata
+from prefixserve.model.config import ModelConfig
+from prefixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, empty_parameter
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend,
+                 *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim ** -0.5
+        self.backend = backend
+        # rows: q_proj, then k_proj, then v_proj
+        self.qkv_proj = empty_parameter(self.q_size + 2 * self.kv_size, config.hidden_size,
+                                        dtype=dtype, device=device)
+        self.qkv_bias = (empty_parameter(self.q_size + 2 * self.kv_size, dtype=dtype, device=device)
+                         if config.attention_bias else None)
+        self.o_proj = empty_parameter(config.hidden_size, self.q_size, dtype=dtype, device=device)
+        self.o_bias = (empty_parameter(config.hidden_size, dtype=dtype, device=device)
+                       if config.attention_output_bias else None)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = F.linear(x, self.qkv_proj, self.qkv_bias).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return F.linear(out.view(tokens, self.q_size), self.o_proj, self.o_bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend,
+                 *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.self_attn = Attention(config, backend, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """A Qwen3 / Qwen2 / Llama causal language model over a paged KV pool."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu",
+                 attention_backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = config
+        backend = attention_backend or get_attention_backend("torch")
+        self.embed_tokens = empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, dtype=dtype, device=device)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.lm_head = (self.embed_tokens if config.tie_word_embeddings
+                        else empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of every token in the flat batch.
+
+        Each new token's K/V lands in its slot of every layer's pool; each token
+        attends to positions <= its own within its sequence.
+        """
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        if input_ids.shape != positions.shape or input_ids.dim() != 1:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
+                             "must be equal-length 1-D tensors")
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, attn_metadata)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for the given rows only (the caller selects the rows to sample)."""
+        # A strided row selection makes low-precision oneDNN matmuls very slow; feed a dense copy.
+        return F.linear(hidden.contiguous(), self.lm_head).float()

@@ -1,0 +1,111 @@
+"""load_model: a checkpoint folder or a random:<preset> name -> a ready CausalLM."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from prefixserve.model.checkpoint import CheckpointFiles, find_checkpoint_files
+from prefixserve.model.config import ModelConfig, dtype_name, resolve_dtype
+from prefixserve.model.decoder import CausalLM
+from prefixserve.model.errors import (MissingTensorError, ModelLoadError, TensorShapeMismatchError,
+                                      UnexpectedTensorError, UnsupportedModelError)
+from prefixserve.model.hf_weights import hf_weight_targets, is_ignorable
+from prefixserve.model.random_models import RANDOM_PRESETS, random_model
+
+RANDOM_PREFIX = "random:"
+_LISTED = 5  # tensor names quoted in an error before "... and N more"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    # Stable across restarts; seeds the KV block hashes, so it covers whatever changes K/V:
+    # the weights (preset + seed, or the checkpoint fingerprint) and the dtype.
+    identity: str
+    path: Path | None
+
+
+def load_model(model: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
+               device: torch.device | str = "cpu", seed: int = 0) -> LoadedModel:
+    """Loads a local HF checkpoint folder or builds "random:<preset>" with weights seeded by `seed`.
+
+    dtype None (or "auto") means float32 on CPU (bf16 matmuls lose accuracy there for
+    little gain at small batch) and the checkpoint's own dtype on other devices.
+    """
+    if isinstance(dtype, str) and dtype == "auto":
+        dtype = None
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a folder path or 'random:<preset>', got {type(model).__name__}")
+    name = os.fspath(model)
+    if name.startswith(RANDOM_PREFIX):
+        return _load_random(name.removeprefix(RANDOM_PREFIX), dtype, device, seed)
+    return _load_checkpoint(Path(name), dtype, device)
+
+
+def _load_random(preset: str, dtype: torch.dtype | str | None, device: torch.device | str,
+                 seed: int) -> LoadedModel:
+    if preset not in RANDOM_PRESETS:
+        raise UnsupportedModelError(
+            f"unknown random model preset {preset!r}; presets: {', '.join(sorted(RANDOM_PRESETS))}")
+    torch_dtype = resolve_dtype(dtype if dtype is not None else torch.float32)
+    built = random_model(preset, dtype=torch_dtype, device=device, seed=seed)
+    identity = f"{RANDOM_PREFIX}{preset}:seed{seed}:{dtype_name(torch_dtype)}"
+    return LoadedModel(model=built, config=built.config, identity=identity, path=None)
+
+
+def _load_checkpoint(folder: Path, dtype: torch.dtype | str | None, device: torch.device | str) -> LoadedModel:
+    files = find_checkpoint_files(folder)
+    config = ModelConfig.from_hf_config(files.config)
+    if dtype is None:
+        dtype = torch.float32 if torch.device(device).type == "cpu" else config.torch_dtype
+    torch_dtype = resolve_dtype(dtype)
+    model = CausalLM(config, dtype=torch_dtype, device=device)
+    load_weights(model, files)
+    identity = f"hf:{files.fingerprint()}:{dtype_name(torch_dtype)}"
+    return LoadedModel(model=model.eval(), config=config, identity=identity, path=folder.resolve())
+
+
+@torch.no_grad()
+def load_weights(model: CausalLM, files: CheckpointFiles) -> None:
+    """Copies every checkpoint tensor into its place, converting dtype; rejects gaps and extras."""
+    targets = hf_weight_targets(model)
+    tied = model.config.tie_word_embeddings
+    seen: dict[str, str] = {}
+    unexpected: list[str] = []
+    for path in files.weight_files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as reader:
+                for name in reader.keys():
+                    if name in seen:
+                        raise ModelLoadError(f"tensor {name} appears in both {seen[name]} and {path.name}")
+                    seen[name] = path.name
+                    target = targets.get(name)
+                    if target is None:
+                        if not is_ignorable(name, tied):
+                            unexpected.append(name)
+                        continue
+                    shape = tuple(reader.get_slice(name).get_shape())
+                    if shape != tuple(target.shape):
+                        raise TensorShapeMismatchError(
+                            f"tensor {name} in {path.name} has shape {shape}, but config.json implies "
+                            f"{tuple(target.shape)}")
+                    target.copy_(reader.get_tensor(name))
+        except SafetensorError as e:
+            raise ModelLoadError(f"cannot read {path}: {e}") from e
+    if unexpected:
+        raise UnexpectedTensorError(
+            f"checkpoint {files.folder} has tensors the {model.config.architecture} architecture does not "
+            f"use: {_listing(unexpected)}")
+    missing = [name for name in targets if name not in seen]
+    if missing:
+        raise MissingTensorError(f"checkpoint {files.folder} lacks tensors: {_listing(missing)}")
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_LISTED])
+    return shown + (f" ... and {len(names) - _LISTED} more" if len(names) > _LISTED else "")

@@ -1,0 +1,42 @@
+"""Shared pytest fixtures.
+
+Checkpoint fixtures are session-scoped: each tiny HF checkpoint is written once
+per test session into a temporary folder and must be treated as read-only by
+tests (copy it with shutil.copytree before modifying anything).
+
+- tiny_checkpoints: {"qwen3": Path, "qwen2": Path, "llama": Path}; each folder holds config.json,
+  model.safetensors and the project's tokenizer files. qwen3 and qwen2 tie the LM head to the
+  embeddings; llama has an untied head and Llama 3 rope scaling. Shapes: tests/checkpoint_factory.py.
+- tiny_checkpoint: tiny_checkpoint("qwen2") -> Path, the same folders by architecture name.
+- tiny_sharded_checkpoint: the qwen3 checkpoint's exact weights saved as several shards plus
+  model.safetensors.index.json.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from checkpoint_factory import ARCHITECTURES, write_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    return {arch: write_tiny_checkpoint(root / arch, arch, seed=0) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_checkpoints: dict[str, Path]) -> Callable[[str], Path]:
+    def by_arch(arch: str) -> Path:
+        if arch not in tiny_checkpoints:
+            raise ValueError(f"no tiny checkpoint for {arch!r}; have {sorted(tiny_checkpoints)}")
+        return tiny_checkpoints[arch]
+    return by_arch
+
+
+@pytest.fixture(scope="session")
+def tiny_sharded_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny_sharded") / "qwen3"
+    return write_tiny_checkpoint(folder, "qwen3", seed=0, max_shard_size="400KB")

@@ -1,0 +1,67 @@
+"""Built-in random models: deterministic by seed, the advertised shapes."""
+from __future__ import annotations
+
+import torch
+
+from prefixserve.model.attention.metadata import AttentionMetadata
+from prefixserve.model.decoder import CausalLM
+from prefixserve.model.kv_layout import kv_cache_shape
+from prefixserve.model.loader import load_model
+from prefixserve.model.random_models import RANDOM_PRESETS
+from prefixserve.tokenizer import Tokenizer
+
+
+def _logits(loaded, ids: list[int]) -> torch.Tensor:
+    config = loaded.config
+    caches = [torch.zeros(kv_cache_shape(config, 4, 16)) for _ in range(config.num_hidden_layers)]
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [[2, 0]], 16)
+    with torch.inference_mode():
+        hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), caches, meta)
+        return loaded.model.compute_logits(hidden)
+
+
+def test_same_seed_same_weights_and_outputs() -> None:
+    a, b = load_model("random:qwen3-tiny", seed=3), load_model("random:qwen3-tiny", seed=3)
+    for (name, x), (_, y) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+        assert torch.equal(x, y), name
+    ids = [5, 900, 77, 8000, 12, 12, 3]
+    assert torch.equal(_logits(a, ids), _logits(b, ids))
+    assert a.identity == b.identity == "random:qwen3-tiny:seed3:float32"
+
+
+def test_different_seed_different_weights() -> None:
+    a, b = load_model("random:qwen3-tiny", seed=0), load_model("random:qwen3-tiny", seed=1)
+    assert not torch.equal(a.model.embed_tokens, b.model.embed_tokens)
+    assert a.identity != b.identity
+
+
+def test_tiny_preset_weights_look_like_hf_init() -> None:
+    model = load_model("random:qwen3-tiny").model
+    assert model.lm_head is model.embed_tokens
+    assert abs(model.layers[0].mlp.down_proj.std().item() - 0.02) < 0.002
+    assert torch.equal(model.layers[1].self_attn.q_norm.weight, torch.ones(16))
+    assert torch.isfinite(_logits(load_model("random:qwen3-tiny"), [1, 2, 3])).all()
+
+
+def test_tiny_preset_vocabulary_is_the_builtin_tokenizers() -> None:
+    assert RANDOM_PRESETS["qwen3-tiny"].vocab_size == Tokenizer.builtin().vocab_size
+
+
+def test_default_and_auto_dtype_is_float32_on_cpu() -> None:
+    for dtype in (None, "auto"):
+        loaded = load_model("random:qwen3-tiny", dtype=dtype)
+        assert all(p.dtype == torch.float32 for p in loaded.model.parameters())
+
+
+def test_bf16_random_model() -> None:
+    loaded = load_model("random:qwen3-tiny", dtype="bfloat16")
+    assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
+    assert loaded.identity.endswith(":bfloat16")
+
+
+def test_qwen3_06b_preset_has_the_published_parameter_count() -> None:
+    # Qwen3-0.6B: 0.44B non-embedding parameters (PERF-NOTES: 440.5M), 151936 x 1024 embeddings, tied.
+    model = CausalLM(RANDOM_PRESETS["qwen3-0.6b"], device="meta")
+    total = sum(p.numel() for p in model.parameters())
+    embedding = 151936 * 1024
+    assert abs((total - embedding) - 440.5e6) < 0.05e6
