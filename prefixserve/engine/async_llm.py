@@ -17,10 +17,10 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Optional, TypeVar
+from typing import AsyncIterator, Callable, Optional, Sequence, TypeVar
 
 from prefixserve.engine.llm_engine import LLMEngine, PromptInput
-from prefixserve.engine.outputs import EngineStats, RequestOutput
+from prefixserve.engine.outputs import CachePin, EngineStats, RequestOutput
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.scheduler import QueueFull
 
@@ -170,8 +170,11 @@ class AsyncLLM:
 
     # -------------------------------------------------------------- requests
     async def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
-                          cache_salt: Optional[str] = None, priority: int = 0) -> RequestStream:
+                          cache_salt: Optional[str] = None, priority: int = 0,
+                          cache_pins: Sequence[CachePin] = ()) -> RequestStream:
         """Queues a request; returns its stream once the engine accepted it.
+
+        cache_pins: prefixes to pin once the prompt is computed (see LLMEngine.add_request).
 
         Raises QueueFull (at the bound), RequestRejected (the engine refused it;
         nothing scheduled) or EngineDeadError.
@@ -186,7 +189,7 @@ class AsyncLLM:
                 return
             try:
                 self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
-                                        priority=priority)
+                                        priority=priority, cache_pins=cache_pins)
             except BaseException as exc:  # handed to the caller, who maps it to an HTTP error
                 with self._cond:
                     self._streams.pop(request_id, None)
@@ -219,8 +222,8 @@ class AsyncLLM:
         return stream
 
     async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
-                       cache_salt: Optional[str] = None, priority: int = 0
-                       ) -> AsyncIterator[RequestOutput]:
+                       cache_salt: Optional[str] = None, priority: int = 0,
+                       cache_pins: Sequence[CachePin] = ()) -> AsyncIterator[RequestOutput]:
         """add_request + iterate; the request is aborted if the iteration stops early.
 
         Leaving an `async for` with break does not close an async generator
@@ -228,7 +231,7 @@ class AsyncLLM:
         (or let the task be cancelled) to free the request's blocks at once.
         """
         stream = await self.add_request(request_id, prompt, params, cache_salt=cache_salt,
-                                        priority=priority)
+                                        priority=priority, cache_pins=cache_pins)
         finished = False
         try:
             async for output in stream:

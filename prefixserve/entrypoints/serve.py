@@ -1,9 +1,10 @@
-"""`prefixserve serve`: the OpenAI-compatible HTTP server."""
+"""`prefixserve serve`: the OpenAI-compatible HTTP server (plus Anthropic's Messages API)."""
 from __future__ import annotations
 
 import argparse
 import logging
 
+from prefixserve.engine.config import EngineConfig
 from prefixserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from prefixserve.entrypoints.server.config import ServerConfig
 
@@ -24,6 +25,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "429 with Retry-After (default: %(default)s)")
     g.add_argument("--retry-after", dest="retry_after_s", type=int, default=1,
                    help="seconds a 429 tells the client to wait (default: %(default)s)")
+    g.add_argument("--max-pinned-fraction", type=float, default=EngineConfig.max_pinned_fraction,
+                   help="share of the KV pool that cache_control pins and cached contents may "
+                        "hold, so pins cannot starve live requests (default: %(default)s)")
+    g.add_argument("--cache-ttl-scale", type=float, default=ServerConfig.cache_ttl_scale,
+                   help="multiplies every cache TTL (\"5m\" -> 300 s x scale); for tests and "
+                        "experiments (default: %(default)s)")
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run)
@@ -37,11 +44,13 @@ def run(args: argparse.Namespace) -> int:
 
     server_config = ServerConfig(host=args.host, port=args.port,
                                  served_model_name=args.served_model_name,
-                                 max_waiting=args.max_waiting, retry_after_s=args.retry_after_s)
+                                 max_waiting=args.max_waiting, retry_after_s=args.retry_after_s,
+                                 cache_ttl_scale=args.cache_ttl_scale)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The server bounds the queue itself (and answers 429); the engine stays unbounded behind it.
-    engine = LLMEngine(engine_config_from_args(args, max_waiting=None))
+    engine = LLMEngine(engine_config_from_args(args, max_waiting=None,
+                                               max_pinned_fraction=args.max_pinned_fraction))
     app = build_app(engine, server_config)
     uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=args.log_level)
     return 0

@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI-compatible endpoints over one AsyncLLM."""
+"""The FastAPI application: OpenAI-compatible endpoints, the Anthropic Messages endpoint and
+named cached contents over one AsyncLLM."""
 from __future__ import annotations
 
 import contextlib
@@ -10,10 +11,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.engine.llm_engine import LLMEngine
+from prefixserve.entrypoints.server.cached_contents import (create_cached_content,
+                                                            delete_cached_content,
+                                                            get_cached_content,
+                                                            list_cached_contents,
+                                                            update_cached_content)
 from prefixserve.entrypoints.server.chat import create_chat_completion
 from prefixserve.entrypoints.server.completions import create_completion
 from prefixserve.entrypoints.server.config import ServerConfig
 from prefixserve.entrypoints.server.errors import engine_error, install_error_handlers
+from prefixserve.entrypoints.server.messages import create_message
 from prefixserve.entrypoints.server.metrics import ServerMetrics
 from prefixserve.entrypoints.server.protocol import ModelCard, ModelList
 from prefixserve.entrypoints.server.state import ServerState, get_state
@@ -50,6 +57,12 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
 
     app.post("/v1/completions")(create_completion)
     app.post("/v1/chat/completions")(create_chat_completion)
+    app.post("/v1/messages")(create_message)
+    app.post("/v1/cached_contents")(create_cached_content)
+    app.get("/v1/cached_contents")(list_cached_contents)
+    app.get("/v1/cached_contents/{key}")(get_cached_content)
+    app.patch("/v1/cached_contents/{key}")(update_cached_content)
+    app.delete("/v1/cached_contents/{key}")(delete_cached_content)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:

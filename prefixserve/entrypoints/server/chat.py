@@ -1,22 +1,25 @@
 """POST /v1/chat/completions: messages through the model's chat template, then generation."""
 from __future__ import annotations
 
+import json
 import time
-from typing import Any, AsyncIterator, Optional
+from typing import AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.outputs import CompletionOutput, RequestOutput
+from prefixserve.entrypoints.server.conversations import chat_conversation
 from prefixserve.entrypoints.server.errors import APIError, bad_request, sampling_error
 from prefixserve.entrypoints.server.generation import (DONE_EVENT, EventStream, Generation, sse,
                                                        submit, usage_of)
+from prefixserve.entrypoints.server.prompts import PreparedPrompt, prepare_prompt
 from prefixserve.entrypoints.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                                      ChatCompletionChunk, ChatCompletionRequest,
                                                      ChatCompletionResponse, ChatLogprobs,
-                                                     ChatMessage, DeltaMessage, TokenLogprob,
-                                                     TopLogprob)
+                                                     DeltaMessage, TokenLogprob, TopLogprob)
 from prefixserve.entrypoints.server.state import ServerState, get_state, new_id, token_text
+from prefixserve.entrypoints.server.usage import unix_time, warning_headers
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
@@ -27,18 +30,22 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise bad_request("logit_bias is not supported", param="logit_bias", code="unsupported")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-    prompt = _render(state, body)
+    prompt = await prepare_prompt(state, chat_conversation(body.messages, body.tools),
+                                  cached_content=body.cached_content, cache_salt=body.cache_salt,
+                                  add_generation_prompt=body.add_generation_prompt,
+                                  template_kwargs=body.chat_template_kwargs)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     try:
         params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     except ValueError as exc:
         raise sampling_error(exc, renames={"logprobs": "top_logprobs"}) from None
-    gen = await submit(state.async_llm, state.config, state.metrics, new_id("chatcmpl"), [prompt],
-                       params, cache_salt=body.cache_salt, priority=body.priority, param="messages")
+    gen = await submit(state.async_llm, state.config, state.metrics, new_id("chatcmpl"),
+                       [prompt.token_ids], params, cache_salt=prompt.cache_salt,
+                       priority=body.priority, param="messages", cache_pins=prompt.plan.pins)
     created = int(time.time())
     if body.stream:
-        return EventStream(_stream(state, gen, body, created), on_close=gen.abort)
+        return EventStream(_stream(state, gen, body, created, prompt), on_close=gen.abort)
     (output,) = await gen.final_outputs(request)
     choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
                           logprobs=_logprobs(state, c, 0), finish_reason=c.finish_reason,
@@ -47,38 +54,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     response = ChatCompletionResponse(id=gen.request_ids[0], created=created,
                                       model=state.model_name, choices=choices,
                                       usage=usage_of([output]))
-    return JSONResponse(response.model_dump())
-
-
-def _conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the template expects them: content a string, text parts joined by newlines."""
-    conversation = []
-    for i, message in enumerate(messages):
-        entry = message.model_dump(exclude_none=True)
-        if isinstance(message.content, list):
-            texts = []
-            for j, part in enumerate(message.content):
-                if part.type != "text" or part.text is None:
-                    raise bad_request(
-                        f"messages[{i}].content[{j}]: only text parts "
-                        f"{{'type': 'text', 'text': ...}} are supported, got type {part.type!r}",
-                        param=f"messages[{i}].content[{j}]", code="unsupported")
-                texts.append(part.text)
-            entry["content"] = "\n".join(texts)
-        conversation.append(entry)
-    return conversation
-
-
-def _render(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    conversation = _conversation(body.messages)
-    try:
-        token_ids = state.async_llm.tokenizer.apply_chat_template(
-            conversation, tools=body.tools, add_generation_prompt=body.add_generation_prompt,
-            tokenize=True, **(body.chat_template_kwargs or {}))
-    except Exception as exc:  # template errors are the request's fault (roles, fields)
-        raise bad_request(f"the chat template could not render these messages: {exc}",
-                          param="messages") from None
-    return list(token_ids)
+    body_json = response.model_dump()
+    report = prompt.plan.report(output, unix_time(state.async_llm.engine.clock))
+    if report is not None:
+        body_json["prefixserve"] = report
+    return JSONResponse(body_json, headers=warning_headers(prompt.plan.warnings(output)))
 
 
 def _logprobs(state: ServerState, c: CompletionOutput, start: int) -> Optional[ChatLogprobs]:
@@ -99,7 +79,7 @@ def _logprobs(state: ServerState, c: CompletionOutput, start: int) -> Optional[C
 
 
 async def _stream(state: ServerState, gen: Generation, body: ChatCompletionRequest,
-                  created: int) -> AsyncIterator[str]:
+                  created: int, prompt: PreparedPrompt) -> AsyncIterator[str]:
     def chunk(choices: list[ChatChunkChoice]) -> str:
         return sse(ChatCompletionChunk(id=gen.request_ids[0], created=created,
                                        model=state.model_name, choices=choices))
@@ -135,7 +115,14 @@ async def _stream(state: ServerState, gen: Generation, body: ChatCompletionReque
         yield exc.sse()
         yield DONE_EVENT
         return
+    if last is not None:
+        prompt.plan.warnings(last)  # logged: a stream's headers left before the pins existed
     if body.include_usage_in_stream and last is not None:
-        yield sse(ChatCompletionChunk(id=gen.request_ids[0], created=created,
-                                      model=state.model_name, choices=[], usage=usage_of([last])))
+        usage_chunk = ChatCompletionChunk(id=gen.request_ids[0], created=created,
+                                          model=state.model_name, choices=[], usage=usage_of([last]))
+        chunk_json = usage_chunk.model_dump()
+        report = prompt.plan.report(last, unix_time(state.async_llm.engine.clock))
+        if report is not None:
+            chunk_json["prefixserve"] = report
+        yield f"data: {json.dumps(chunk_json)}\n\n"
     yield DONE_EVENT

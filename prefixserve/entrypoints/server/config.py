@@ -19,6 +19,9 @@ class ServerConfig:
     # Completions' max_tokens when the request gives none (OpenAI's default); chat has no default
     # and may generate up to max_model_len.
     default_completion_max_tokens: int = 16
+    # Multiplies every cache TTL ("5m", "1h", cached contents' ttl); tests use a small value so
+    # that pins expire within seconds.
+    cache_ttl_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -33,6 +36,9 @@ class ServerConfig:
             _positive("max_waiting", self.max_waiting)
         _positive("retry_after_s", self.retry_after_s)
         _positive("default_completion_max_tokens", self.default_completion_max_tokens)
+        if isinstance(self.cache_ttl_scale, bool) or not isinstance(self.cache_ttl_scale, (int, float)) \
+                or not self.cache_ttl_scale > 0:
+            raise ValueError(f"cache_ttl_scale must be a positive number, got {self.cache_ttl_scale!r}")
 
 
 def _positive(name: str, value: object) -> None:

@@ -1,4 +1,5 @@
-"""OpenAI-style errors: every failure answers {"error": {"message", "type", "param", "code"}}."""
+"""Errors: OpenAI's shape {"error": {"message", "type", "param", "code"}} everywhere except the
+Anthropic Messages endpoint, which answers Anthropic's {"type": "error", "error": {"type", "message"}}."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefixserve.engine.async_llm import EngineDeadError, EngineStepError, RequestAbortedError
+from prefixserve.entrypoints.server.cache_control import CacheControlError
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.scheduler import QueueFull, RequestRejected
 
@@ -20,6 +22,10 @@ logger = logging.getLogger(__name__)
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # Pydantic names union members and wrappers in error locations; they are not request fields.
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "tuple"}
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 409: "invalid_request_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 class APIError(Exception):
@@ -38,12 +44,20 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        body = self.anthropic_body() if anthropic else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
     def sse(self) -> str:
         """The error as a server-sent event, for failures after a stream has started."""
         return f"data: {json.dumps(self.body())}\n\n"
+
+    def anthropic_sse(self) -> str:
+        return f"event: error\ndata: {json.dumps(self.anthropic_body())}\n\n"
 
 
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
@@ -113,22 +127,32 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return bad_request("invalid request: " + "; ".join(list(seen.values())[:4]), param=param, code=code)
 
 
+def _anthropic(request: Request) -> bool:
+    return request.url.path.startswith(ANTHROPIC_PATH_PREFIX)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return exc.response(_anthropic(request))
+
+    @app.exception_handler(CacheControlError)
+    async def _cache_control(request: Request, exc: CacheControlError) -> JSONResponse:
+        return bad_request(str(exc), param=exc.param,
+                           code="invalid_cache_control").response(_anthropic(request))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return validation_error(exc).response(_anthropic(request))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), type=kind,
-                        headers=getattr(exc, "headers", None)).response()
+                        headers=getattr(exc, "headers", None)).response(_anthropic(request))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.error("unhandled error on %s", request.url.path, exc_info=exc)
-        return APIError(500, f"internal error: {exc!r}", type="server_error").response()
+        return APIError(500, f"internal error: {exc!r}",
+                        type="server_error").response(_anthropic(request))

@@ -3,18 +3,19 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Optional, Sequence
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from prefixserve.engine.async_llm import AsyncLLM, RequestStream
-from prefixserve.engine.outputs import RequestOutput
+from prefixserve.engine.outputs import CachePin, RequestOutput
 from prefixserve.entrypoints.server.config import ServerConfig
 from prefixserve.entrypoints.server.errors import APIError, engine_error
 from prefixserve.entrypoints.server.metrics import RequestRecorder, ServerMetrics
 from prefixserve.entrypoints.server.protocol import PromptTokensDetails, Usage
+from prefixserve.entrypoints.server.usage import CacheUsage
 from prefixserve.sampling_params import SamplingParams
 
 DONE_EVENT = "data: [DONE]\n\n"
@@ -95,14 +96,31 @@ class Generation:
         except Exception as exc:
             raise engine_error(exc, param=self.param, retry_after_s=self.config.retry_after_s)
 
+    async def _abort_on_disconnect(self, request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.abort()
+
+    async def first_output(self, request: Request
+                           ) -> tuple[RequestOutput, AsyncIterator[tuple[int, RequestOutput]]]:
+        """For one prompt: waits for its first output (the prompt is computed and its pins are
+        placed by then) and returns it with the iterator of the outputs after it. Aborts if the
+        client disconnects first."""
+        outputs = self.outputs()
+        watcher = asyncio.create_task(self._abort_on_disconnect(request))
+        try:
+            _, first = await outputs.__anext__()
+        except BaseException:
+            self.abort()
+            await outputs.aclose()
+            raise
+        finally:
+            watcher.cancel()
+        return first, outputs
+
     async def final_outputs(self, request: Request) -> list[RequestOutput]:
         """Waits for every prompt to finish; aborts them all if the client disconnects first."""
-        async def abort_on_disconnect() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            self.abort()
-
-        watcher = asyncio.create_task(abort_on_disconnect())
+        watcher = asyncio.create_task(self._abort_on_disconnect(request))
         last: dict[int, RequestOutput] = {}
         try:
             async for i, output in self.outputs():
@@ -115,14 +133,15 @@ class Generation:
 
 async def submit(async_llm: AsyncLLM, config: ServerConfig, metrics: ServerMetrics, base_id: str,
                  prompts: list[list[int]], params: SamplingParams, *, cache_salt: Optional[str],
-                 priority: int, param: str) -> Generation:
+                 priority: int, param: str, cache_pins: Sequence[CachePin] = ()) -> Generation:
     """Adds every prompt; if any is refused, aborts the ones already added and raises APIError."""
     ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
     streams: list[RequestStream] = []
     try:
         for rid, prompt in zip(ids, prompts):
             streams.append(await async_llm.add_request(
-                rid, {"prompt_token_ids": prompt}, params, cache_salt=cache_salt, priority=priority))
+                rid, {"prompt_token_ids": prompt}, params, cache_salt=cache_salt, priority=priority,
+                cache_pins=cache_pins))
     except BaseException as exc:
         for rid in ids[:len(streams)]:
             async_llm.abort(rid)
@@ -135,9 +154,11 @@ async def submit(async_llm: AsyncLLM, config: ServerConfig, metrics: ServerMetri
 def usage_of(outputs: list[RequestOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    cached = sum(o.num_cached_tokens for o in outputs)
+    caches = [CacheUsage.of(o) for o in outputs]
+    details = PromptTokensDetails(cached_tokens=sum(c.read for c in caches),
+                                  cache_write_tokens=sum(c.written for c in caches))
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                 prompt_tokens_details=details)
 
 
 def sse(model: BaseModel) -> str:
@@ -151,9 +172,11 @@ class EventStream(StreamingResponse):
     every case, so the engine frees the request's blocks before its next step.
     """
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None],
+                 headers: Optional[dict[str, str]] = None) -> None:
         super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                  **(headers or {})})
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:

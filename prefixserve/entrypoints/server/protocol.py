@@ -90,6 +90,8 @@ class ContentPart(StrictModel):
     model_config = ConfigDict(strict=True, extra="allow")
     type: str
     text: Optional[str] = None
+    # Anthropic-style prompt-caching breakpoint (prefixserve extension), checked when rendering.
+    cache_control: Optional[dict[str, Any]] = None
 
 
 class ChatMessage(StrictModel):
@@ -98,6 +100,8 @@ class ChatMessage(StrictModel):
     role: str
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    # A breakpoint at the end of this message's content (for string content).
+    cache_control: Optional[dict[str, Any]] = None
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -110,11 +114,16 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Union[str, dict[str, Any], None] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # Id or name of a cached content (POST /v1/cached_contents) the prompt starts with.
+    cached_content: Optional[str] = None
 
 
 # ------------------------------------------------------------------ responses
 class PromptTokensDetails(BaseModel):
+    # Prompt tokens read from the prefix cache.
     cached_tokens: int
+    # Prompt tokens this request computed and pinned through cache_control (block-aligned).
+    cache_write_tokens: int = 0
 
 
 class Usage(BaseModel):

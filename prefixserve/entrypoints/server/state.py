@@ -9,6 +9,7 @@ from typing import Optional
 from fastapi import Request
 
 from prefixserve.engine.async_llm import AsyncLLM
+from prefixserve.entrypoints.server.cached_content_registry import CachedContentRegistry
 from prefixserve.entrypoints.server.config import ServerConfig
 from prefixserve.entrypoints.server.errors import APIError, bad_request
 from prefixserve.entrypoints.server.metrics import ServerMetrics
@@ -21,6 +22,7 @@ class ServerState:
     model_name: str
     metrics: ServerMetrics
     created: int = field(default_factory=lambda: int(time.time()))
+    cached_contents: CachedContentRegistry = field(default_factory=CachedContentRegistry)
 
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:

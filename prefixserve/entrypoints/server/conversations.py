@@ -1,0 +1,92 @@
+"""Request bodies -> Conversation: OpenAI chat messages, Anthropic system/messages, tools.
+
+Text parts of one message are joined by newlines for the template; each part (and each
+tool) may carry a cache_control mark, which is taken off before the template sees it.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from prefixserve.entrypoints.server.cache_control import (CacheControlError, Conversation, Part,
+                                                          Tool, Turn, parse_cache_control)
+from prefixserve.entrypoints.server.errors import bad_request
+from prefixserve.entrypoints.server.protocol import ChatMessage
+
+
+def parts_of(content: Union[str, list, None], where: str) -> Optional[list[Part]]:
+    """The text parts of a message's content (a string or a list of text blocks)."""
+    if content is None:
+        return None
+    if isinstance(content, str):
+        return [Part(content, None, where)]
+    parts = []
+    for j, block in enumerate(content):
+        block_where = f"{where}[{j}]"
+        if hasattr(block, "model_dump"):
+            block = block.model_dump(exclude_none=True)
+        if not isinstance(block, dict) or block.get("type") != "text" or \
+                not isinstance(block.get("text"), str):
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise bad_request(f"{block_where}: only text blocks {{'type': 'text', 'text': ...}} are "
+                              f"supported, got type {kind!r}", param=block_where, code="unsupported")
+        parts.append(Part(block["text"], parse_cache_control(block.get("cache_control"), block_where),
+                          block_where))
+    return parts
+
+
+def tool_of(raw: Any, where: str) -> Tool:
+    """A tool in OpenAI's shape ({"type": "function", "function": {...}}) or Anthropic's
+    ({"name", "description", "input_schema"}); the template always sees OpenAI's."""
+    if not isinstance(raw, dict):
+        raise bad_request(f"{where} must be an object, got {type(raw).__name__}", param=where)
+    control = parse_cache_control(raw.get("cache_control"), where)
+    spec = {k: v for k, v in raw.items() if k != "cache_control"}
+    if "input_schema" in spec:
+        if not isinstance(spec.get("name"), str) or not spec["name"]:
+            raise bad_request(f"{where}.name must be a non-empty string", param=f"{where}.name")
+        function = {"name": spec["name"]}
+        if spec.get("description") is not None:
+            function["description"] = spec["description"]
+        function["parameters"] = spec["input_schema"]
+        spec = {"type": "function", "function": function}
+    return Tool(spec, control, where)
+
+
+def chat_conversation(messages: list[ChatMessage], tools: Optional[list[dict[str, Any]]]
+                      ) -> Conversation:
+    turns = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        fields = message.model_dump(exclude_none=True)
+        fields.pop("content", None)
+        control = parse_cache_control(fields.pop("cache_control", None), where)
+        if control is not None and not isinstance(message.content, str):
+            raise CacheControlError(f"{where}.cache_control on a message needs string content; "
+                                    f"mark one of its content parts instead", f"{where}.cache_control")
+        content_where = where if isinstance(message.content, str) else f"{where}.content"
+        parts = parts_of(message.content, content_where)
+        if control is not None:
+            parts[0].cache_control = control
+        turns.append(Turn(fields, parts))
+    return Conversation(turns, [tool_of(t, f"tools[{i}]") for i, t in enumerate(tools or [])])
+
+
+def conversation_of(system: Union[str, list, None], messages: list[Any],
+                    tools: Optional[list[Any]]) -> Conversation:
+    """Anthropic-shaped input: a system prompt (string or text blocks) and role/content messages."""
+    turns = []
+    if system is not None:
+        turns.append(Turn({"role": "system"}, parts_of(system, "system")))
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if hasattr(message, "model_dump"):
+            message = message.model_dump(exclude_none=True)
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad_request(f"{where} needs a string role", param=f"{where}.role")
+        if not isinstance(message.get("content"), (str, list)):
+            raise bad_request(f"{where}.content must be a string or a list of text blocks",
+                              param=f"{where}.content")
+        fields = {"role": message["role"]}
+        turns.append(Turn(fields, parts_of(message["content"], f"{where}.content")))
+    return Conversation(turns, [tool_of(t, f"tools[{i}]") for i, t in enumerate(tools or [])])
+

@@ -1,0 +1,122 @@
+"""POST /v1/messages: the Anthropic Messages API subset a typical client uses.
+
+System prompt (string or text blocks), text messages, tools (rendered into the prompt by the
+chat template), max_tokens, temperature, top_p, top_k, stop_sequences and streaming with
+Anthropic's event types. cache_control marks on blocks and tools are honoured as on the chat
+endpoint, a top-level cache_control marks the last block (automatic caching), and usage reports
+input_tokens / cache_creation_input_tokens / cache_read_input_tokens.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from prefixserve.engine.outputs import CompletionOutput, RequestOutput
+from prefixserve.entrypoints.server.anthropic_protocol import MessagesRequest
+from prefixserve.entrypoints.server.cache_control import parse_cache_control
+from prefixserve.entrypoints.server.conversations import conversation_of
+from prefixserve.entrypoints.server.errors import APIError, sampling_error
+from prefixserve.entrypoints.server.generation import EventStream, Generation, submit
+from prefixserve.entrypoints.server.prompts import PreparedPrompt, prepare_prompt
+from prefixserve.entrypoints.server.state import ServerState, get_state, new_id
+from prefixserve.entrypoints.server.usage import CacheUsage, unix_time, warning_headers
+from prefixserve.sampling_params import SamplingParams
+
+
+async def create_message(body: MessagesRequest, request: Request) -> Response:
+    state = get_state(request)
+    state.check_model(body.model)
+    state.check_cache_salt(body.cache_salt)
+    conversation = conversation_of(body.system, body.messages, body.tools)
+    control = parse_cache_control(body.cache_control, "body")
+    last = conversation.turns[-1].parts[-1] if conversation.turns[-1].parts else None
+    if control is not None and last is not None and last.cache_control is None:
+        last.cache_control = control
+    prompt = await prepare_prompt(state, conversation, cached_content=body.cached_content,
+                                  cache_salt=body.cache_salt)
+    try:
+        params = SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None else body.top_k,
+            max_tokens=body.max_tokens, stop=list(body.stop_sequences or []))
+    except ValueError as exc:
+        raise sampling_error(exc, renames={"stop": "stop_sequences"}) from None
+    gen = await submit(state.async_llm, state.config, state.metrics, new_id("msg"),
+                       [prompt.token_ids], params, cache_salt=prompt.cache_salt,
+                       priority=body.priority, param="messages", cache_pins=prompt.plan.pins)
+    if body.stream:
+        first, rest = await gen.first_output(request)
+        headers = warning_headers(prompt.plan.warnings(first))
+        return EventStream(_events(state, gen, prompt, first, rest), on_close=gen.abort,
+                           headers=headers)
+    (output,) = await gen.final_outputs(request)
+    completion = output.outputs[0]
+    stop_reason, stop_sequence = _stop(completion)
+    message = _message(state, gen, prompt, output)
+    message.update(content=[{"type": "text", "text": completion.text}], stop_reason=stop_reason,
+                   stop_sequence=stop_sequence)
+    return JSONResponse(message, headers=warning_headers(prompt.plan.warnings(output)))
+
+
+def _message(state: ServerState, gen: Generation, prompt: PreparedPrompt,
+             output: RequestOutput) -> dict[str, Any]:
+    message: dict[str, Any] = {
+        "id": gen.request_ids[0], "type": "message", "role": "assistant", "model": state.model_name,
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": CacheUsage.of(output).anthropic(len(output.outputs[0].token_ids)),
+    }
+    report = prompt.plan.report(output, unix_time(state.async_llm.engine.clock))
+    if report is not None:
+        message["prefixserve"] = report
+    return message
+
+
+def _stop(c: CompletionOutput) -> tuple[Optional[str], Optional[str]]:
+    if c.finish_reason == "length":
+        return "max_tokens", None
+    if c.finish_reason == "stop":
+        if isinstance(c.stop_reason, str):
+            return "stop_sequence", c.stop_reason
+        return "end_turn", None
+    return None, None
+
+
+def _event(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+
+async def _events(state: ServerState, gen: Generation, prompt: PreparedPrompt,
+                  first: RequestOutput, rest: AsyncIterator[tuple[int, RequestOutput]]
+                  ) -> AsyncIterator[str]:
+    yield _event("message_start", {"message": _message(state, gen, prompt, first)})
+    yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    yield _event("ping", {})
+    sent = 0
+    last = first
+    try:
+        output: Optional[RequestOutput] = first
+        while output is not None:
+            last = output
+            text = output.outputs[0].text
+            if len(text) > sent:
+                yield _event("content_block_delta", {"index": 0, "delta": {
+                    "type": "text_delta", "text": text[sent:]}})
+                sent = len(text)
+            output = None if last.finished else (await anext(rest, (0, None)))[1]
+    except APIError as exc:
+        yield exc.anthropic_sse()
+        return
+    completion = last.outputs[0]
+    stop_reason, stop_sequence = _stop(completion)
+    yield _event("content_block_stop", {"index": 0})
+    final = _message(state, gen, prompt, last)
+    delta: dict[str, Any] = {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                             "usage": final["usage"]}
+    if "prefixserve" in final:
+        delta["prefixserve"] = final["prefixserve"]
+    yield _event("message_delta", delta)
+    yield _event("message_stop", {})

@@ -1,0 +1,65 @@
+"""From a request's conversation to prompt tokens and the pins its cache_control asks for.
+
+Shared by the chat-completions and Messages endpoints: resolves a named cached content
+(its conversation goes first and its tokens must be the prompt's first tokens), renders
+through the chat template, locates the breakpoints.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from prefixserve.entrypoints.server.cache_control import (CacheControlError, Conversation,
+                                                          PromptRenderer, RenderedPrompt)
+from prefixserve.entrypoints.server.errors import bad_request
+from prefixserve.entrypoints.server.state import ServerState
+from prefixserve.entrypoints.server.usage import PinPlan
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    rendered: RenderedPrompt
+    plan: PinPlan
+    cache_salt: Optional[str]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.rendered.token_ids
+
+
+async def prepare_prompt(state: ServerState, conversation: Conversation, *,
+                         cached_content: Optional[str], cache_salt: Optional[str],
+                         add_generation_prompt: bool = True,
+                         template_kwargs: Optional[dict[str, Any]] = None) -> PreparedPrompt:
+    content = None
+    if cached_content is not None:
+        content, _ = await state.cached_contents.find(state.async_llm, cached_content)
+        if conversation.tools:
+            raise bad_request("a request using cached_content takes its tools from the cached "
+                              "content; do not send tools", param="tools")
+        if any(t.fields.get("role") == "system" for t in conversation.turns):
+            raise bad_request("a request using cached_content takes its system prompt from the "
+                              "cached content; do not send one", param="system")
+        if cache_salt is not None and cache_salt != content.cache_salt:
+            raise bad_request("cache_salt differs from the cached content's salt, so the content "
+                              "could never be reused", param="cache_salt")
+        cache_salt = content.cache_salt
+        conversation = content.conversation.then(conversation)
+    renderer = PromptRenderer(state.async_llm.tokenizer, add_generation_prompt=add_generation_prompt,
+                              template_kwargs=template_kwargs)
+    try:
+        rendered = renderer.render(conversation)
+    except CacheControlError:
+        raise
+    except Exception as exc:  # template errors are the request's fault (roles, fields)
+        raise bad_request(f"the chat template could not render these messages: {exc}",
+                          param="messages") from None
+    if content is not None and rendered.token_ids[:len(content.token_ids)] != content.token_ids:
+        raise bad_request(
+            f"with these messages the rendered prompt does not start with cached content "
+            f"{cached_content!r} (the chat template renders the combined conversation "
+            f"differently), so its cache cannot be used", param="cached_content",
+            code="cached_content_mismatch")
+    plan = PinPlan(rendered.breakpoints, state.config.cache_ttl_scale,
+                   content.id if content is not None else None)
+    return PreparedPrompt(rendered, plan, cache_salt)
