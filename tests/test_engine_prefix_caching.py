@@ -145,3 +145,28 @@ def test_abort_frees_every_block(tiny_path):
     assert engine.stats().blocks_in_use == 0
     assert not engine.has_unfinished_requests()
     engine.kv.check_integrity()
+
+
+def test_a_failed_forward_leaves_no_unwritten_block_in_the_cache(tiny_path):
+    rng = random.Random(9)
+    prompt = tokens(rng, 70)
+    llm = make_llm(tiny_path)
+    engine = llm.engine
+    engine.add_request("doomed", {"prompt_token_ids": prompt}, GREEDY)
+    real = engine.runner.execute
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated device failure")
+    engine.runner.execute = broken
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.step()
+    engine.runner.execute = real
+    # The prompt's blocks were registered before the forward that never wrote them.
+    assert not engine.has_unfinished_requests()
+    stats = engine.stats()
+    assert stats.blocks_in_use == 0 and stats.blocks_cached == 0
+    engine.kv.check_integrity()
+    again = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0]
+    assert again.num_cached_tokens == 0
+    fresh = make_llm(tiny_path).generate({"prompt_token_ids": prompt}, GREEDY)[0]
+    assert again.outputs[0].token_ids == fresh.outputs[0].token_ids

@@ -127,3 +127,16 @@ def test_a_pinned_block_in_use_by_a_request_needs_both_released():
     kv.unpin(info.pin_id)
     assert kv.stats().num_cached_free_blocks == 2
     kv.check_integrity()
+
+
+def test_a_shorter_repin_never_cuts_a_longer_pin_unless_asked():
+    kv, clock = make()
+    tokens = list(range(1, 10))
+    cache(kv, "r", tokens)
+    long_pin = kv.pin_prefix(tokens, ttl_s=3600.0)
+    assert kv.pin_prefix(tokens, ttl_s=300.0).expires_at == long_pin.expires_at
+    assert kv.pin_prefix(tokens, ttl_s=7200.0).expires_at == 100.0 + 7200.0
+    assert kv.pin_prefix(tokens, ttl_s=10.0, shorten=True).expires_at == 110.0
+    clock.now = 111.0
+    assert kv.pins() == []
+    kv.check_integrity()

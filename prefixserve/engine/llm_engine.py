@@ -15,7 +15,7 @@ import torch
 from prefixserve.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from prefixserve.engine.outputs import (CachePin, CompletionOutput, EngineStats, PinResult,
                                        RequestMetrics, RequestOutput)
-from prefixserve.kv import KVCacheConfig, KVCacheManager, PinInfo, PinLimitError
+from prefixserve.kv import KVCacheConfig, KVCacheManager, PinLimitError
 from prefixserve.model.loader import load_model
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.scheduler import (Request, RequestRejected, RequestStatus, Scheduler,
@@ -223,7 +223,11 @@ class LLMEngine:
                     generator=sample.generator,
                 ))
                 row_owner.append((seq.request_id, k))
-        result = self.runner.execute(plan.sequences, rows, plan.block_copies)
+        try:
+            result = self.runner.execute(plan.sequences, rows, plan.block_copies)
+        except BaseException:
+            self._fail_step(plan)
+            raise
 
         sampled: dict[str, list[int]] = {}
         for (rid, _), token in zip(row_owner, result.token_ids):
@@ -246,34 +250,29 @@ class LLMEngine:
             moved.add(self._sample_to_group[sid])
         return [self._emit(gid) for gid in sorted(moved, key=lambda g: self._groups[g].arrival_time)]
 
+    def _fail_step(self, plan) -> None:
+        """A forward that raised may have left blocks registered in the cache unwritten.
+
+        Every request of the step is aborted (its blocks freed) and every cached hash
+        dropped, so no later request can reuse K/V that was never computed.
+        """
+        gids = {self._sample_to_group[s.request_id] for s in plan.sequences
+                if s.request_id in self._sample_to_group}
+        self.abort_request(sorted(gids))
+        self.kv.reset_prefix_cache()
+
     def _apply_pins(self, group: _Group) -> None:
         # The prompt's blocks were registered when allocated and are held by the
         # request now, so the whole prefix is found in the cache.
-        live = {p.pin_id: p.expires_at for p in self.kv.pins()}
         for pin in group.cache_pins:
             try:
                 info = self.kv.pin_prefix(group.prompt_token_ids, cache_salt=group.cache_salt,
                                           num_tokens=pin.num_tokens, ttl_s=pin.ttl_s)
-                if info.pin_id in live and _outlives(live[info.pin_id], info.expires_at):
-                    # Re-pinning refreshes the expiry; a shorter TTL must not cut short a
-                    # longer-lived pin of the same prefix (a 1h breakpoint, a cached content).
-                    info = self._extend_pin(group, pin, live[info.pin_id], info)
             except PinLimitError as exc:
                 group.pin_results.append(PinResult(pin.num_tokens, 0, None, str(exc)))
                 continue
-            if info.pin_id is not None:
-                live[info.pin_id] = info.expires_at
             group.pin_results.append(PinResult(pin.num_tokens, info.num_tokens, info.expires_at,
                                                None, info.pin_id))
-
-    def _extend_pin(self, group: _Group, pin: CachePin, expires_at: Optional[float],
-                    info: PinInfo) -> PinInfo:
-        """Re-pins so that the pin expires at expires_at (None: never) again."""
-        ttl = None if expires_at is None else expires_at - self.clock()
-        if ttl is not None and ttl <= 0:
-            return info
-        return self.kv.pin_prefix(group.prompt_token_ids, cache_salt=group.cache_salt,
-                                  num_tokens=pin.num_tokens, ttl_s=ttl)
 
     def _advance_text(self, group: _Group, req: Request) -> None:
         sample = group.samples[req.request_id]
@@ -398,8 +397,3 @@ class LLMEngine:
             prefix_cache_hits=kv.hit_tokens,
             kv_cache_bytes=self.runner.kv_cache_bytes,
         )
-
-
-def _outlives(a: Optional[float], b: Optional[float]) -> bool:
-    """Whether expiry a (None = never) is later than expiry b."""
-    return b is not None and (a is None or a > b)

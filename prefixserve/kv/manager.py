@@ -313,10 +313,11 @@ class KVCacheManager:
     # -------------------------------------------------------------------- pins
     def pin_prefix(self, token_ids: Sequence[int], *, cache_salt: Optional[str] = None,
                    adapter_key: Optional[str] = None, num_tokens: Optional[int] = None,
-                   ttl_s: Optional[float] = None) -> PinInfo:
+                   ttl_s: Optional[float] = None, shorten: bool = False) -> PinInfo:
         """Pins the cached full blocks of token_ids' longest cached prefix (of its first
         num_tokens tokens if given). Nothing cached: returns a PinInfo with pin_id None and no
-        blocks, and pins nothing."""
+        blocks, and pins nothing. Pinning a pinned prefix again refreshes its expiry, which only
+        moves later unless shorten is set."""
         if num_tokens is not None and (isinstance(num_tokens, bool)
                                        or not isinstance(num_tokens, int) or num_tokens < 0):
             raise ValueError(f"num_tokens must be None or an int >= 0, got {num_tokens!r}")
@@ -334,7 +335,7 @@ class KVCacheManager:
         key = tuple(ids)
         pin_id = self._pins.find(key)
         if pin_id is not None:
-            return self._pins.refresh(pin_id, expires_at)
+            return self._pins.refresh(pin_id, expires_at, shorten=shorten)
         self._pins.check_cap(key)
         for block_id in ids:
             self._pool.share(block_id)

@@ -79,8 +79,13 @@ class PinRegistry:
             heapq.heappush(self._expiry, (expires_at, pin.seq, pin_id))
         return pin.info(pin_id)
 
-    def refresh(self, pin_id: str, expires_at: Optional[float]) -> PinInfo:
+    def refresh(self, pin_id: str, expires_at: Optional[float], *, shorten: bool = False) -> PinInfo:
+        """Moves a pin's expiry to expires_at, but never earlier unless shorten is set: a short
+        TTL hit must not cut short a longer-lived pin of the same prefix."""
         pin = self._pins[pin_id]
+        if not shorten and (pin.expires_at is None or
+                            (expires_at is not None and expires_at < pin.expires_at)):
+            return pin.info(pin_id)
         self._seq += 1
         pin.seq = self._seq
         pin.expires_at = expires_at

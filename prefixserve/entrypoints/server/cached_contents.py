@@ -130,9 +130,9 @@ async def update_cached_content(key: str, body: CachedContentUpdate, request: Re
     content, _ = await state.cached_contents.find(state.async_llm, key, param="key")
 
     def repin(engine) -> PinInfo:
-        # Pinning a pinned prefix again sets its expiry (longer or shorter).
+        # PATCH sets the expiry, shorter as well as longer.
         return engine.kv.pin_prefix(content.token_ids, cache_salt=content.cache_salt,
-                                    num_tokens=len(content.token_ids), ttl_s=ttl_s)
+                                    num_tokens=len(content.token_ids), ttl_s=ttl_s, shorten=True)
     try:
         pin = await state.async_llm.run_in_engine(repin)
     except PinLimitError as exc:
