@@ -88,6 +88,17 @@ class MissExplainer:
                 self._spans = {rid: s for rid, s in self._spans.items() if rid in self._index}
         return diagnosis
 
+    def remember(self, request_id: str, token_ids: Sequence[int], *,
+                 cache_salt: Optional[str] = None) -> None:
+        """Remembers a request without diagnosing it (what explain(remember=True) stores, minus
+        the search and decoding a diagnosis costs)."""
+        if not token_ids:
+            raise ValueError(f"request {request_id!r}: token_ids is empty")
+        with self._lock:
+            self._index.add(request_id, list(token_ids), cache_salt)
+            self._spans.pop(request_id, None)
+            self._spans = {rid: s for rid, s in self._spans.items() if rid in self._index}
+
     def forget(self, request_id: str) -> None:
         with self._lock:
             self._index.forget(request_id)

@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field
 
-from prefixserve.entrypoints.server.protocol import StrictModel
+from prefixserve.entrypoints.server.protocol import DiagnoseFields, StrictModel
 
 
 class ContentBlock(StrictModel):
@@ -25,7 +25,7 @@ class AnthropicMessage(StrictModel):
     content: Union[str, list[ContentBlock]]
 
 
-class MessagesRequest(StrictModel):
+class MessagesRequest(DiagnoseFields):
     model: str
     max_tokens: int
     messages: list[AnthropicMessage] = Field(min_length=1)

@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from prefixserve.diagnose.live import MissExplainer
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.entrypoints.server.cached_contents import (create_cached_content,
@@ -40,7 +41,9 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
         raise TypeError(f"build_app needs an LLMEngine or AsyncLLM, got {type(engine).__name__}")
     model_name = config.served_model_name or async_llm.engine.config.model
     state = ServerState(async_llm=async_llm, config=config, model_name=model_name,
-                        metrics=ServerMetrics(async_llm.stats, model_name))
+                        metrics=ServerMetrics(async_llm.stats, model_name),
+                        explainer=MissExplainer(async_llm.tokenizer.decode,
+                                                max_requests=config.diagnose_max_requests))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -10,6 +10,8 @@ from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.outputs import CompletionOutput, RequestOutput
 from prefixserve.entrypoints.server.conversations import chat_conversation
+from prefixserve.entrypoints.server.diagnosis import (LiveDiagnosis, chat_spans, diagnose_ask,
+                                                      with_diagnosis)
 from prefixserve.entrypoints.server.errors import APIError, bad_request, sampling_error
 from prefixserve.entrypoints.server.generation import (DONE_EVENT, EventStream, Generation, sse,
                                                        submit, usage_of)
@@ -30,6 +32,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise bad_request("logit_bias is not supported", param="logit_bias", code="unsupported")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    ask = diagnose_ask(body)
     prompt = await prepare_prompt(state, chat_conversation(body.messages, body.tools),
                                   cached_content=body.cached_content, cache_salt=body.cache_salt,
                                   add_generation_prompt=body.add_generation_prompt,
@@ -40,12 +43,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     except ValueError as exc:
         raise sampling_error(exc, renames={"logprobs": "top_logprobs"}) from None
+    live = LiveDiagnosis(state.explainer, ask, prompt.cache_salt,
+                         chat_spans(state.async_llm.tokenizer, prompt, body.chat_template_kwargs)
+                         if ask is not None else None)
     gen = await submit(state.async_llm, state.config, state.metrics, new_id("chatcmpl"),
                        [prompt.token_ids], params, cache_salt=prompt.cache_salt,
                        priority=body.priority, param="messages", cache_pins=prompt.plan.pins)
     created = int(time.time())
     if body.stream:
-        return EventStream(_stream(state, gen, body, created, prompt), on_close=gen.abort)
+        return EventStream(_stream(state, gen, body, created, prompt, live), on_close=gen.abort)
     (output,) = await gen.final_outputs(request)
     choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
                           logprobs=_logprobs(state, c, 0), finish_reason=c.finish_reason,
@@ -56,8 +62,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                                       usage=usage_of([output]))
     body_json = response.model_dump()
     report = prompt.plan.report(output, unix_time(state.async_llm.engine.clock))
-    if report is not None:
-        body_json["prefixserve"] = report
+    extension = with_diagnosis(report, live.finish(gen.request_ids[0], output))
+    if extension is not None:
+        body_json["prefixserve"] = extension
     return JSONResponse(body_json, headers=warning_headers(prompt.plan.warnings(output)))
 
 
@@ -79,10 +86,14 @@ def _logprobs(state: ServerState, c: CompletionOutput, start: int) -> Optional[C
 
 
 async def _stream(state: ServerState, gen: Generation, body: ChatCompletionRequest,
-                  created: int, prompt: PreparedPrompt) -> AsyncIterator[str]:
+                  created: int, prompt: PreparedPrompt, live: LiveDiagnosis) -> AsyncIterator[str]:
     def chunk(choices: list[ChatChunkChoice]) -> str:
         return sse(ChatCompletionChunk(id=gen.request_ids[0], created=created,
                                        model=state.model_name, choices=choices))
+
+    def extension(out: RequestOutput, diagnosis: Optional[dict]) -> Optional[dict]:
+        return with_diagnosis(prompt.plan.report(out, unix_time(state.async_llm.engine.clock)),
+                              diagnosis)
 
     yield chunk([ChatChunkChoice(index=k, delta=DeltaMessage(role="assistant", content=""))
                  for k in range(body.n)])
@@ -90,6 +101,7 @@ async def _stream(state: ServerState, gen: Generation, body: ChatCompletionReque
     sent_tokens: dict[int, int] = {}
     done: set[int] = set()
     last: Optional[RequestOutput] = None
+    diagnosis: Optional[dict] = None
     try:
         async for _, out in gen.outputs():
             last = out
@@ -109,6 +121,15 @@ async def _stream(state: ServerState, gen: Generation, body: ChatCompletionReque
                 sent_tokens[c.index] = len(c.token_ids)
                 if finished:
                     done.add(c.index)
+            if out.finished:
+                diagnosis = live.finish(gen.request_ids[0], out)
+                if not body.include_usage_in_stream and diagnosis is not None:
+                    # No usage chunk follows: the last content chunk carries the extension.
+                    final = ChatCompletionChunk(id=gen.request_ids[0], created=created,
+                                                model=state.model_name, choices=choices).model_dump()
+                    final["prefixserve"] = extension(out, diagnosis)
+                    yield f"data: {json.dumps(final)}\n\n"
+                    continue
             if choices:
                 yield chunk(choices)
     except APIError as exc:
@@ -121,8 +142,8 @@ async def _stream(state: ServerState, gen: Generation, body: ChatCompletionReque
         usage_chunk = ChatCompletionChunk(id=gen.request_ids[0], created=created,
                                           model=state.model_name, choices=[], usage=usage_of([last]))
         chunk_json = usage_chunk.model_dump()
-        report = prompt.plan.report(last, unix_time(state.async_llm.engine.clock))
-        if report is not None:
-            chunk_json["prefixserve"] = report
+        final_extension = extension(last, diagnosis)
+        if final_extension is not None:
+            chunk_json["prefixserve"] = final_extension
         yield f"data: {json.dumps(chunk_json)}\n\n"
     yield DONE_EVENT

@@ -1,13 +1,15 @@
 """POST /v1/completions."""
 from __future__ import annotations
 
+import json
 import time
-from typing import AsyncIterator, Union
+from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.outputs import CompletionOutput, RequestOutput
+from prefixserve.entrypoints.server.diagnosis import LiveDiagnosis, diagnose_ask
 from prefixserve.entrypoints.server.errors import APIError, bad_request, sampling_error
 from prefixserve.entrypoints.server.generation import (DONE_EVENT, EventStream, Generation, sse,
                                                        submit, usage_of)
@@ -21,6 +23,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state.check_model(body.model)
     state.check_cache_salt(body.cache_salt)
     _reject_unsupported(body)
+    live = LiveDiagnosis(state.explainer, diagnose_ask(body), body.cache_salt)
     prompts = _prompt_token_ids(state, body.prompt)
     max_tokens = body.max_tokens if body.max_tokens is not None \
         else state.config.default_completion_max_tokens
@@ -32,13 +35,30 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
                        cache_salt=body.cache_salt, priority=body.priority, param="prompt")
     created = int(time.time())
     if body.stream:
-        return EventStream(_stream(state, gen, body, created), on_close=gen.abort)
+        return EventStream(_stream(state, gen, body, created, live), on_close=gen.abort)
     outputs = await gen.final_outputs(request)
     choices = [_choice(state, i * params.n + c.index, c, c.text, 0, 0)
                for i, out in enumerate(outputs) for c in out.outputs]
     response = CompletionResponse(id=gen.request_ids[0], created=created, model=state.model_name,
                                   choices=choices, usage=usage_of(outputs))
-    return JSONResponse(response.model_dump())
+    body_json = response.model_dump()
+    extension = _extension(live, gen, outputs)
+    if extension is not None:
+        body_json["prefixserve"] = extension
+    return JSONResponse(body_json)
+
+
+def _extension(live: LiveDiagnosis, gen: Generation,
+               outputs: list[RequestOutput]) -> Optional[dict[str, Any]]:
+    """Remembers every prompt (under its engine request id: the response id, or
+    `<response base id>-<i>` for several prompts); the `prefixserve` object when diagnosis was
+    asked: {"diagnosis": {...}}, or a list of them, each with its request_id, for several prompts."""
+    diagnoses = [live.finish(rid, out) for rid, out in zip(gen.request_ids, outputs)]
+    if live.ask is None:
+        return None
+    if len(diagnoses) == 1:
+        return {"diagnosis": diagnoses[0]}
+    return {"diagnosis": [{"request_id": rid, **d} for rid, d in zip(gen.request_ids, diagnoses)]}
 
 
 def _reject_unsupported(body: CompletionRequest) -> None:
@@ -99,13 +119,14 @@ def _logprobs(state: ServerState, c: CompletionOutput, start: int,
 
 
 async def _stream(state: ServerState, gen: Generation, body: CompletionRequest,
-                  created: int) -> AsyncIterator[str]:
+                  created: int, live: LiveDiagnosis) -> AsyncIterator[str]:
     n = body.n
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     sent_finish: set[int] = set()
     offsets: dict[int, int] = {}
     last: dict[int, RequestOutput] = {}
+    extension: Optional[dict[str, Any]] = None
     try:
         async for i, out in gen.outputs():
             last[i] = out
@@ -127,6 +148,14 @@ async def _stream(state: ServerState, gen: Generation, body: CompletionRequest,
                 if finished:
                     sent_finish.add(index)
                 choices.append(choice)
+            if len(last) == len(gen.request_ids) and all(o.finished for o in last.values()):
+                # Every prompt is done: nothing follows this chunk but the usage chunk.
+                extension = _extension(live, gen, [last[k] for k in sorted(last)])
+                if extension is not None and not body.include_usage_in_stream:
+                    final = CompletionResponse(id=gen.request_ids[0], created=created,
+                                               model=state.model_name, choices=choices).model_dump()
+                    yield f"data: {json.dumps({**final, 'prefixserve': extension})}\n\n"
+                    continue
             if choices:
                 yield sse(CompletionResponse(id=gen.request_ids[0], created=created,
                                              model=state.model_name, choices=choices))
@@ -136,8 +165,12 @@ async def _stream(state: ServerState, gen: Generation, body: CompletionRequest,
         return
     if body.include_usage_in_stream:
         outputs = [last[i] for i in sorted(last)]
-        yield sse(CompletionResponse(id=gen.request_ids[0], created=created, model=state.model_name,
-                                     choices=[], usage=usage_of(outputs)))
+        usage = CompletionResponse(id=gen.request_ids[0], created=created, model=state.model_name,
+                                   choices=[], usage=usage_of(outputs))
+        if extension is None:
+            yield sse(usage)
+        else:
+            yield f"data: {json.dumps({**usage.model_dump(), 'prefixserve': extension})}\n\n"
     yield DONE_EVENT
 
 

@@ -22,6 +22,9 @@ class ServerConfig:
     # Multiplies every cache TTL ("5m", "1h", cached contents' ttl); tests use a small value so
     # that pins expire within seconds.
     cache_ttl_scale: float = 1.0
+    # Requests the live miss explainer remembers (each keeps its prompt's token ids), for
+    # `diagnose` and `diagnose_against`; the oldest are forgotten first.
+    diagnose_max_requests: int = 1000
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -36,6 +39,7 @@ class ServerConfig:
             _positive("max_waiting", self.max_waiting)
         _positive("retry_after_s", self.retry_after_s)
         _positive("default_completion_max_tokens", self.default_completion_max_tokens)
+        _positive("diagnose_max_requests", self.diagnose_max_requests)
         if isinstance(self.cache_ttl_scale, bool) or not isinstance(self.cache_ttl_scale, (int, float)) \
                 or not self.cache_ttl_scale > 0:
             raise ValueError(f"cache_ttl_scale must be a positive number, got {self.cache_ttl_scale!r}")

@@ -18,6 +18,8 @@ from prefixserve.engine.outputs import CompletionOutput, RequestOutput
 from prefixserve.entrypoints.server.anthropic_protocol import MessagesRequest
 from prefixserve.entrypoints.server.cache_control import parse_cache_control
 from prefixserve.entrypoints.server.conversations import conversation_of
+from prefixserve.entrypoints.server.diagnosis import (LiveDiagnosis, chat_spans, diagnose_ask,
+                                                      with_diagnosis)
 from prefixserve.entrypoints.server.errors import APIError, sampling_error
 from prefixserve.entrypoints.server.generation import EventStream, Generation, submit
 from prefixserve.entrypoints.server.prompts import PreparedPrompt, prepare_prompt
@@ -30,6 +32,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model)
     state.check_cache_salt(body.cache_salt)
+    ask = diagnose_ask(body)
     conversation = conversation_of(body.system, body.messages, body.tools)
     control = parse_cache_control(body.cache_control, "body")
     last = conversation.turns[-1].parts[-1] if conversation.turns[-1].parts else None
@@ -45,33 +48,39 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
             max_tokens=body.max_tokens, stop=list(body.stop_sequences or []))
     except ValueError as exc:
         raise sampling_error(exc, renames={"stop": "stop_sequences"}) from None
+    live = LiveDiagnosis(state.explainer, ask, prompt.cache_salt,
+                         chat_spans(state.async_llm.tokenizer, prompt) if ask is not None else None)
     gen = await submit(state.async_llm, state.config, state.metrics, new_id("msg"),
                        [prompt.token_ids], params, cache_salt=prompt.cache_salt,
                        priority=body.priority, param="messages", cache_pins=prompt.plan.pins)
     if body.stream:
         first, rest = await gen.first_output(request)
         headers = warning_headers(prompt.plan.warnings(first))
-        return EventStream(_events(state, gen, prompt, first, rest), on_close=gen.abort,
+        return EventStream(_events(state, gen, prompt, live, first, rest), on_close=gen.abort,
                            headers=headers)
     (output,) = await gen.final_outputs(request)
     completion = output.outputs[0]
     stop_reason, stop_sequence = _stop(completion)
-    message = _message(state, gen, prompt, output)
+    message = _message(state, gen, prompt, output, live)
     message.update(content=[{"type": "text", "text": completion.text}], stop_reason=stop_reason,
                    stop_sequence=stop_sequence)
     return JSONResponse(message, headers=warning_headers(prompt.plan.warnings(output)))
 
 
-def _message(state: ServerState, gen: Generation, prompt: PreparedPrompt,
-             output: RequestOutput) -> dict[str, Any]:
+def _message(state: ServerState, gen: Generation, prompt: PreparedPrompt, output: RequestOutput,
+             live: Optional[LiveDiagnosis] = None) -> dict[str, Any]:
+    """The message object; given `live` (the finished output), also remembers the request and
+    adds its diagnosis when asked."""
     message: dict[str, Any] = {
         "id": gen.request_ids[0], "type": "message", "role": "assistant", "model": state.model_name,
         "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": CacheUsage.of(output).anthropic(len(output.outputs[0].token_ids)),
     }
     report = prompt.plan.report(output, unix_time(state.async_llm.engine.clock))
-    if report is not None:
-        message["prefixserve"] = report
+    extension = with_diagnosis(report, live.finish(gen.request_ids[0], output)
+                               if live is not None else None)
+    if extension is not None:
+        message["prefixserve"] = extension
     return message
 
 
@@ -90,8 +99,8 @@ def _event(kind: str, data: dict[str, Any]) -> str:
 
 
 async def _events(state: ServerState, gen: Generation, prompt: PreparedPrompt,
-                  first: RequestOutput, rest: AsyncIterator[tuple[int, RequestOutput]]
-                  ) -> AsyncIterator[str]:
+                  live: LiveDiagnosis, first: RequestOutput,
+                  rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
     yield _event("message_start", {"message": _message(state, gen, prompt, first)})
     yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
     yield _event("ping", {})
@@ -113,7 +122,7 @@ async def _events(state: ServerState, gen: Generation, prompt: PreparedPrompt,
     completion = last.outputs[0]
     stop_reason, stop_sequence = _stop(completion)
     yield _event("content_block_stop", {"index": 0})
-    final = _message(state, gen, prompt, last)
+    final = _message(state, gen, prompt, last, live)
     delta: dict[str, Any] = {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                              "usage": final["usage"]}
     if "prefixserve" in final:

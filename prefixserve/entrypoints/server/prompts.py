@@ -21,6 +21,7 @@ class PreparedPrompt:
     rendered: RenderedPrompt
     plan: PinPlan
     cache_salt: Optional[str]
+    conversation: Conversation   # what was rendered (a cached content's turns included)
 
     @property
     def token_ids(self) -> list[int]:
@@ -62,4 +63,4 @@ async def prepare_prompt(state: ServerState, conversation: Conversation, *,
             code="cached_content_mismatch")
     plan = PinPlan(rendered.breakpoints, state.config.cache_ttl_scale,
                    content.id if content is not None else None)
-    return PreparedPrompt(rendered, plan, cache_salt)
+    return PreparedPrompt(rendered, plan, cache_salt, conversation)

@@ -21,7 +21,24 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(StrictModel):
+class PrefixserveOptions(StrictModel):
+    """The request's `prefixserve` extension object; unknown keys are refused (typos would
+    otherwise silently turn diagnosis off)."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    diagnose: bool = False
+    diagnose_against: Optional[str] = None
+
+
+class DiagnoseFields(StrictModel):
+    """Live cache-miss diagnosis (prefixserve extension, on every generation endpoint): asked by
+    `diagnose: true` or `prefixserve: {"diagnose": true}`; `diagnose_against` (top-level or in
+    `prefixserve`) names the earlier response id to compare with and implies `diagnose`."""
+    diagnose: bool = False
+    diagnose_against: Optional[str] = None
+    prefixserve: Optional[PrefixserveOptions] = None
+
+
+class _GenerationRequest(DiagnoseFields):
     """Fields both endpoints share: sampling, streaming and the prefixserve extensions."""
     model: Optional[str] = None
     n: int = 1

@@ -1,4 +1,5 @@
-"""What every endpoint of one app reads: the engine front, settings and metrics."""
+"""What every endpoint of one app reads: the engine front, settings, metrics and the miss
+explainer."""
 from __future__ import annotations
 
 import time
@@ -8,6 +9,7 @@ from typing import Optional
 
 from fastapi import Request
 
+from prefixserve.diagnose.live import MissExplainer
 from prefixserve.engine.async_llm import AsyncLLM
 from prefixserve.entrypoints.server.cached_content_registry import CachedContentRegistry
 from prefixserve.entrypoints.server.config import ServerConfig
@@ -21,6 +23,8 @@ class ServerState:
     config: ServerConfig
     model_name: str
     metrics: ServerMetrics
+    # Live cache-miss diagnosis: the last requests, keyed by the response ids clients saw.
+    explainer: MissExplainer
     created: int = field(default_factory=lambda: int(time.time()))
     cached_contents: CachedContentRegistry = field(default_factory=CachedContentRegistry)
 

@@ -1,0 +1,86 @@
+"""Live cache-miss diagnosis on the server: who asked for it, the parts of a chat prompt, and the
+`diagnosis` entry of the response's `prefixserve` extension object.
+
+Every finished request is remembered by the app's MissExplainer under the response id the
+client saw, so a later request can name it in `diagnose_against`. Requests are compared only
+within their cache salt: another tenant's prompt text never appears in a diagnosis.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from prefixserve.diagnose.live import MissExplainer
+from prefixserve.diagnose.log_reader import LogRecord
+from prefixserve.diagnose.render import Renderer, Span
+from prefixserve.engine.outputs import RequestOutput
+from prefixserve.entrypoints.server.errors import bad_request
+from prefixserve.entrypoints.server.prompts import PreparedPrompt
+from prefixserve.entrypoints.server.protocol import DiagnoseFields
+
+
+@dataclass(frozen=True)
+class DiagnoseAsk:
+    """A request asked for its diagnosis; `against` is the earlier response id to compare with
+    (None: the remembered request sharing the longest prefix)."""
+    against: Optional[str] = None
+
+
+def diagnose_ask(body: DiagnoseFields) -> Optional[DiagnoseAsk]:
+    """What the body asks (None: no diagnosis); a 400 naming the field for contradictions."""
+    nested = body.prefixserve
+    top, inner = body.diagnose_against, nested.diagnose_against if nested else None
+    if top is not None and inner is not None and top != inner:
+        raise bad_request(f"diagnose_against is {top!r} but prefixserve.diagnose_against is "
+                          f"{inner!r}; give one", param="diagnose_against")
+    against = top if top is not None else inner
+    if against is not None and not against:
+        raise bad_request("diagnose_against must be a non-empty response id",
+                          param="diagnose_against" if top is not None
+                          else "prefixserve.diagnose_against")
+    if against is None and not body.diagnose and not (nested and nested.diagnose):
+        return None
+    return DiagnoseAsk(against)
+
+
+def chat_spans(tokenizer, prompt: PreparedPrompt,
+               template_kwargs: Optional[dict[str, Any]] = None) -> Optional[list[Span]]:
+    """The parts (tools, system prompt, history message i, new turn, generation prompt) of a
+    chat prompt, by the diagnose Renderer; None when its rendering is not the prompt's tokens
+    (e.g. add_generation_prompt false), so that no part is ever misnamed."""
+    conversation = prompt.conversation
+    record = LogRecord(request_id="live", line=0,
+                       messages=[turn.template_message() for turn in conversation.turns],
+                       tools=[tool.spec for tool in conversation.tools] or None,
+                       chat_template_kwargs=dict(template_kwargs or {}))
+    try:
+        rendered = Renderer(tokenizer).render(record)
+    except ValueError:
+        return None
+    return rendered.spans if rendered.token_ids == prompt.token_ids else None
+
+
+@dataclass(frozen=True)
+class LiveDiagnosis:
+    """One HTTP request's part in live diagnosis."""
+    explainer: MissExplainer
+    ask: Optional[DiagnoseAsk]
+    cache_salt: Optional[str]
+    spans: Optional[list[Span]] = None
+
+    def finish(self, request_id: str, output: RequestOutput) -> Optional[dict[str, Any]]:
+        """Remembers a finished request; returns its diagnosis when it was asked for."""
+        if self.ask is None:
+            self.explainer.remember(request_id, output.prompt_token_ids, cache_salt=self.cache_salt)
+            return None
+        return self.explainer.explain(
+            request_id, output.prompt_token_ids, cache_salt=self.cache_salt,
+            num_cached_tokens=output.num_cached_tokens, spans=self.spans,
+            diagnose_against=self.ask.against).to_dict()
+
+
+def with_diagnosis(report: Optional[dict[str, Any]], diagnosis: Any) -> Optional[dict[str, Any]]:
+    """The `prefixserve` extension object: the cache breakpoint report plus the diagnosis."""
+    if diagnosis is None:
+        return report
+    return {**(report or {}), "diagnosis": diagnosis}
