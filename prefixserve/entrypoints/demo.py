@@ -40,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p, default_model="random:qwen3-0.6b")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--doc-paragraphs", type=int, default=24,
-                   help="length of the long document (24 paragraphs: about 1.2k tokens)")
+                   help="length of the long document (24 paragraphs: about 1.7k tokens)")
     p.set_defaults(func=run)
 
 
@@ -52,8 +52,8 @@ def _workloads(llm: LLM, doc_paragraphs: int) -> dict[str, list[list[int]]]:
     document = build_document(doc_paragraphs)
     doc_system = "Answer questions about this manual.\n\n" + document
     return {
-        "system prompt x 10 questions": [chat(SYSTEM_PROMPT, q) for q in QUESTIONS],
-        f"document x {len(DOC_QUESTIONS)} questions": [chat(doc_system, q) for q in DOC_QUESTIONS],
+        f"system prompt, {len(QUESTIONS)} questions": [chat(SYSTEM_PROMPT, q) for q in QUESTIONS],
+        f"document, {len(DOC_QUESTIONS)} questions": [chat(doc_system, q) for q in DOC_QUESTIONS],
     }
 
 
@@ -74,7 +74,8 @@ def _run_workload(llm: LLM, prompts: list[list[int]], params: SamplingParams) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
+    # Wide enough for the table even when the output is not a terminal.
+    console = Console(width=max(Console().width, 120))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     results: dict[tuple[str, bool], RunResult] = {}
     for caching in (True, False):
@@ -91,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title=f"prefix caching on vs off - {args.model}, greedy, {args.max_tokens} output tokens")
     for col in ("workload", "caching", "prompt tokens", "computed", "cache hits", "hit rate",
                 "TTFT p50", "total", "speed-up"):
-        table.add_column(col, justify="left" if col in ("workload", "caching") else "right")
+        table.add_column(col, justify="left" if col in ("workload", "caching") else "right",
+                         no_wrap=True, min_width=len(col))
     all_same = True
     for name in dict.fromkeys(n for n, _ in results):
         on, off = results[(name, True)], results[(name, False)]
