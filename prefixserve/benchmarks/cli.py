@@ -1,0 +1,92 @@
+"""`prefixserve bench`: workloads x engines on one checkpoint, against the machine's measured limits."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+
+from prefixserve.benchmarks.checkpoint import DEFAULT_CACHE_DIR
+from prefixserve.benchmarks.engines import ENGINE_NAMES
+from prefixserve.benchmarks.workloads import WORKLOAD_NAMES
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark prefixserve against baselines and the machine's limits",
+                       description="Runs fixed-seed workloads on prefixserve, HF transformers (padded batch; "
+                                   "hand-written prefix reuse) and llama.cpp when installed, all on the same "
+                                   "weights and dtype, and prints a markdown table.")
+    p.add_argument("--model", default="random:qwen3-0.6b",
+                   help="random:<preset> or a local HF checkpoint folder (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--workload", action="append", choices=WORKLOAD_NAMES, metavar="NAME",
+                   help=f"repeatable; default: all of {', '.join(WORKLOAD_NAMES)}")
+    p.add_argument("--engine", action="append", choices=ENGINE_NAMES, metavar="NAME",
+                   help=f"repeatable; default: all of {', '.join(ENGINE_NAMES)}")
+    p.add_argument("--quick", action="store_true", help="small workloads (a few minutes on 2 cores)")
+    p.add_argument("--json", type=Path, metavar="OUT", help="write every figure and request record as JSON")
+    p.add_argument("--plot", type=Path, metavar="DIR", help="write PNG charts into DIR")
+    p.add_argument("--markdown", type=Path, metavar="OUT", help="also write the markdown report to OUT")
+    p.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of random:<preset> weights")
+    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
+                   help="where exported checkpoints (safetensors, GGUF) are kept (default: %(default)s)")
+    p.add_argument("--llama-kv-f16", action="store_true", help="llama.cpp's default float16 KV instead of float32")
+    p.add_argument("--online", metavar="URL", help="instead: send the workloads to a running OpenAI-compatible "
+                                                    "server (e.g. http://127.0.0.1:8000)")
+    p.add_argument("--rate", type=float, default=1.0, help="online mode: Poisson arrival rate, requests/s")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    workloads = tuple(args.workload or WORKLOAD_NAMES)
+    if args.online:
+        return _run_online(args, workloads, console)
+    from prefixserve.benchmarks.report import to_markdown, write_json, write_plots
+    from prefixserve.benchmarks.runner import BenchConfig, run_benchmark
+    config = BenchConfig(model=args.model, dtype=args.dtype, workloads=workloads,
+                         engines=tuple(args.engine or ENGINE_NAMES), quick=args.quick, threads=args.threads,
+                         seed=args.seed, cache_dir=args.cache_dir, llama_kv_f32=not args.llama_kv_f16)
+    results = run_benchmark(config, console)
+    text = to_markdown(results)
+    print(text)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text + "\n")
+    if args.json:
+        write_json(results, args.json)
+    if args.plot:
+        for path in write_plots(results, args.plot):
+            console.print(f"wrote {path}")
+    return 0
+
+
+def _run_online(args: argparse.Namespace, workloads: tuple[str, ...], console: Console) -> int:
+    import json
+
+    from rich.progress import Progress
+
+    from prefixserve.benchmarks.figures import figures_of
+    from prefixserve.benchmarks.online import run_online
+    from prefixserve.benchmarks.workloads import build_workload
+    figs = []
+    with Progress(console=console) as progress:
+        for name in workloads:
+            w = build_workload(name, args.quick)
+            task = progress.add_task(f"{args.online} · {name}", total=len(w.requests))
+            run = run_online(args.online, w, args.rate, on_done=lambda: progress.advance(task))
+            figs.append(figures_of(run, w))
+    lines = [f"Online: {args.online}, Poisson arrivals at {args.rate:g} requests/s.", "",
+             "| workload | wall s | req/s | out tok/s | hit rate | TTFT p50 / p90 ms | TPOT p50 ms |",
+             "|---|---|---|---|---|---|---|"]
+    for f in figs:
+        tpot = "–" if f.tpot_p50_s is None else f"{f.tpot_p50_s * 1000:.0f}"
+        lines.append(f"| {f.workload} | {f.wall_s:.2f} | {f.requests_per_s:.2f} | {f.output_tokens_per_s:.1f} | "
+                     f"{f.cache_hit_rate:.0%} | {f.ttft_p50_s * 1000:.0f} / {f.ttft_p90_s * 1000:.0f} | {tpot} |")
+    print("\n".join(lines))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"url": args.online, "rate": args.rate,
+                                         "figures": [f.as_dict() for f in figs]}, indent=1) + "\n")
+    return 0

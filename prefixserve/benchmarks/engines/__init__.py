@@ -1,0 +1,6 @@
+"""The engines the benchmark compares, each behind the same run(workload) -> RunResult interface."""
+from prefixserve.benchmarks.engines.base import BenchEngine, RequestRecord, RunResult
+
+ENGINE_NAMES = ("prefixserve", "hf-padded", "hf-reuse", "llama.cpp")
+
+__all__ = ["BenchEngine", "ENGINE_NAMES", "RequestRecord", "RunResult"]

@@ -1,0 +1,69 @@
+"""prefixserve's single-request speeds, each set against the machine's limit for it.
+
+prefill: one 512-token prompt, nothing cached, timed to its first token.
+decode: one sequence, time per output token after the first.
+warm TTFT: a long prefix already cached plus a new 32-token suffix, against
+the first-token time of a prompt made of that suffix alone (what computing only
+the uncached tokens costs).
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+from prefixserve import LLMEngine, SamplingParams
+from prefixserve.benchmarks.limits import MachineLimits, ModelCost, ideal_decode_steps_per_s, \
+    ideal_prefill_tokens_per_s
+from prefixserve.benchmarks.workloads import TOKEN_HIGH, TOKEN_LOW
+
+_ids = iter(range(1 << 62))
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(n)]
+
+
+def time_request(engine: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
+    """(time to first token, end-to-end time, output tokens) of one request alone on the engine."""
+    rid = f"roofline-{next(_ids)}"
+    arrival = time.monotonic()
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                       arrival_time=arrival)
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                m = out.metrics
+                return m.first_token_time - arrival, m.finished_time - arrival, len(out.outputs[0].token_ids)
+
+
+def measure_roofline(engine: LLMEngine, cost: ModelCost, limits: MachineLimits, quick: bool,
+                     seed: int = 11) -> dict[str, dict[str, float]]:
+    rng = random.Random(seed)
+    repeat = 2 if quick else 3
+    prefill_len, decode_tokens, doc_len, suffix_len = (512, 9, 512, 32) if quick else (512, 33, 1024, 32)
+
+    time_request(engine, _tokens(rng, 64), 2)  # warm-up: first-call allocations are not steady state
+    prefill_s = min(time_request(engine, _tokens(rng, prefill_len), 1)[0] for _ in range(repeat))
+    prefill_rate = prefill_len / prefill_s
+    prefill_ideal = ideal_prefill_tokens_per_s(cost, limits, prefill_len)
+
+    per_token = []
+    for _ in range(repeat):
+        ttft, e2e, n = time_request(engine, _tokens(rng, 64), decode_tokens)
+        per_token.append((e2e - ttft) / (n - 1))
+    decode_rate = 1.0 / min(per_token)
+    decode_ideal = ideal_decode_steps_per_s(cost, limits, [64 + decode_tokens // 2])
+
+    doc = _tokens(rng, doc_len)
+    time_request(engine, doc + _tokens(rng, suffix_len), 1)
+    warm = statistics.median(time_request(engine, doc + _tokens(rng, suffix_len), 1)[0] for _ in range(repeat))
+    suffix_only = statistics.median(time_request(engine, _tokens(rng, suffix_len), 1)[0] for _ in range(repeat))
+    return {
+        "prefill": {"tokens": prefill_len, "tokens_per_s": prefill_rate, "ideal_tokens_per_s": prefill_ideal,
+                    "fraction": prefill_rate / prefill_ideal},
+        "decode_b1": {"steps_per_s": decode_rate, "ideal_steps_per_s": decode_ideal,
+                      "fraction": decode_rate / decode_ideal},
+        "warm_ttft": {"prefix_tokens": doc_len, "suffix_tokens": suffix_len, "warm_ttft_s": warm,
+                      "suffix_only_ttft_s": suffix_only, "ratio": warm / suffix_only},
+    }

@@ -1,0 +1,229 @@
+"""Runs every selected workload on every engine in one process, on one checkpoint, with progress bars.
+
+Engines are loaded one family at a time (prefixserve, then transformers, then
+llama.cpp) so only one copy of the weights is resident while another is timed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from prefixserve.benchmarks.checkpoint import DEFAULT_CACHE_DIR, checkpoint_folder
+from prefixserve.benchmarks.engines import ENGINE_NAMES, RunResult
+from prefixserve.benchmarks.limits import MachineLimits, ModelCost, measure_limits
+from prefixserve.benchmarks.workloads import WORKLOAD_NAMES, Workload, build_workload, without_salts
+from prefixserve.model import ModelConfig
+
+
+# KV pool of the prefixserve engines: room for every full workload's largest round without caching.
+_KV_POOL, _KV_POOL_QUICK = 2 << 30, 1 << 30
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str = "random:qwen3-0.6b"
+    dtype: str = "float32"
+    workloads: tuple[str, ...] = WORKLOAD_NAMES
+    engines: tuple[str, ...] = ENGINE_NAMES
+    quick: bool = False
+    threads: int = 2
+    seed: int = 0
+    cache_dir: Path = DEFAULT_CACHE_DIR
+    # llama.cpp KV in float32 like the others; False falls back to its default float16
+    llama_kv_f32: bool = True
+
+    def __post_init__(self) -> None:
+        for name in self.workloads:
+            if name not in WORKLOAD_NAMES:
+                raise ValueError(f"workloads: unknown workload {name!r}; choose from {', '.join(WORKLOAD_NAMES)}")
+        for name in self.engines:
+            if name not in ENGINE_NAMES:
+                raise ValueError(f"engines: unknown engine {name!r}; choose from {', '.join(ENGINE_NAMES)}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+
+@dataclass
+class BenchResults:
+    config: BenchConfig
+    machine: dict
+    limits: MachineLimits
+    cost: ModelCost
+    workloads: dict[str, Workload]
+    runs: list[RunResult] = field(default_factory=list)
+    roofline: dict = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)   # engine -> why it did not run
+    seconds: float = 0.0
+
+
+def machine_info(threads: int) -> dict:
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "threads": threads, "torch": torch.__version__,
+            "python": platform.python_version()}
+
+
+class _Progress:
+    """One bar per (engine, workload) run, advanced per finished request."""
+
+    def __init__(self, console: Optional[Console]) -> None:
+        self.bar = Progress(TextColumn("{task.description:<42}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=console, transient=False) if console else None
+
+    def __enter__(self) -> "_Progress":
+        if self.bar:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar:
+            self.bar.stop()
+
+    def run(self, engine, workload: Workload, label: Optional[str] = None, **kwargs) -> RunResult:
+        name = label or engine.name
+        advance: Callable[[], None] = lambda: None
+        if self.bar:
+            task = self.bar.add_task(f"{name} · {workload.name}", total=len(workload.requests))
+            advance = lambda: self.bar.advance(task)  # noqa: E731
+        result = engine.run(workload, advance, **kwargs)
+        result.engine = name
+        if self.bar and not self.bar.console.is_terminal:
+            # Without a terminal the bars only show at the end: log each finished run as it happens.
+            self.bar.console.print(f"{name} · {workload.name}: {result.wall_s:.2f} s")
+        return result
+
+    def note(self, text: str) -> None:
+        if self.bar:
+            self.bar.console.print(text)
+
+
+def run_benchmark(config: BenchConfig, console: Optional[Console] = None) -> BenchResults:
+    torch.set_num_threads(config.threads)
+    started = time.monotonic()
+    folder = checkpoint_folder(config.model, config.dtype, config.seed, config.cache_dir)
+    model_config = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
+    torch_dtype = getattr(torch, config.dtype)
+    cost = ModelCost(model_config, torch.tensor([], dtype=torch_dtype).element_size())
+    workloads = {name: build_workload(name, config.quick) for name in config.workloads}
+    with (console.status("measuring the machine's limits") if console else nullcontext()):
+        limits = measure_limits(torch_dtype, quick=config.quick)
+    results = BenchResults(config, machine_info(config.threads), limits, cost, workloads)
+    with _Progress(console) as progress:
+        if "prefixserve" in config.engines:
+            _run_prefixserve(config, folder, workloads, progress, results)
+        if {"hf-padded", "hf-reuse"} & set(config.engines):
+            _run_hf(config, folder, workloads, progress, results)
+        if "llama.cpp" in config.engines:
+            _run_llama_cpp(config, folder, workloads, progress, results)
+    results.seconds = time.monotonic() - started
+    return results
+
+
+def _run_prefixserve(config: BenchConfig, folder: Path, workloads: dict[str, Workload], progress: _Progress,
+                     results: BenchResults) -> None:
+    from prefixserve.benchmarks.engines.prefixserve_engine import PrefixServeEngine
+    from prefixserve.benchmarks.roofline import measure_roofline
+
+    plain = [w for w in workloads.values() if w.kv_blocks is None]
+    pool = _KV_POOL_QUICK if config.quick else _KV_POOL
+    # One engine resident at a time: the machine is shared and each holds the weights plus its KV pool.
+    on = PrefixServeEngine("prefixserve", folder, config.dtype, kv_cache_memory=pool)
+    try:
+        for w in plain:
+            results.runs.append(_best_of(progress, on, w, _repeats(config, w)))
+            on.warm = True
+            results.runs.append(progress.run(on, w, label="prefixserve-warm"))
+            on.warm = False
+            if w.name == "tenants":
+                unsalted = progress.run(on, without_salts(w))
+                unsalted.engine, unsalted.workload = "prefixserve-unsalted", w.name
+                results.runs.append(unsalted)
+        progress.note("measuring prefill, decode and warm TTFT against the machine's limits")
+        results.roofline = measure_roofline(on.engine, results.cost, results.limits, config.quick)
+    finally:
+        on.close()
+    off = PrefixServeEngine("prefixserve-nocache", folder, config.dtype, prefix_caching=False, kv_cache_memory=pool)
+    try:
+        for w in plain:
+            results.runs.append(_best_of(progress, off, w, _repeats(config, w)))
+    finally:
+        off.close()
+    by_pool: dict[int, list[Workload]] = {}
+    for w in workloads.values():
+        if w.kv_blocks is not None:
+            by_pool.setdefault(w.kv_blocks, []).append(w)
+    for blocks, group in by_pool.items():
+        limited = PrefixServeEngine("prefixserve", folder, config.dtype, num_kv_blocks=blocks)
+        try:
+            for w in group:
+                results.runs.append(progress.run(limited, w))
+        finally:
+            limited.close()
+
+
+def _repeats(config: BenchConfig, w: Workload) -> int:
+    # no-sharing judges a 2% difference (caching on vs off): the best of two runs damps machine noise.
+    return 2 if w.name == "no-sharing" and not config.quick else 1
+
+
+def _best_of(progress: _Progress, engine, w: Workload, repeats: int) -> RunResult:
+    return min((progress.run(engine, w) for _ in range(repeats)), key=lambda r: r.wall_s)
+
+
+def _run_hf(config: BenchConfig, folder: Path, workloads: dict[str, Workload], progress: _Progress,
+            results: BenchResults) -> None:
+    from prefixserve.benchmarks.engines.hf_engines import HFPaddedEngine, HFReuseEngine
+    padded = HFPaddedEngine(folder, config.dtype)
+    reuse = HFReuseEngine.sharing(padded)
+    try:
+        for w in workloads.values():
+            for engine in (padded, reuse):
+                if engine.name in config.engines and engine.name not in w.skip_engines:
+                    results.runs.append(progress.run(engine, w))
+    finally:
+        padded.close()
+
+
+def _run_llama_cpp(config: BenchConfig, folder: Path, workloads: dict[str, Workload], progress: _Progress,
+                   results: BenchResults) -> None:
+    from prefixserve.benchmarks.engines.base import tokenizer_vocab_size
+    from prefixserve.benchmarks.engines.llama_cpp_engine import LlamaCppEngine, llama_cpp_available
+    from prefixserve.benchmarks.gguf_export import gguf_path_for
+    why = llama_cpp_available()
+    if why is not None:
+        results.skipped["llama.cpp"] = why
+        progress.note(f"[yellow]llama.cpp skipped: {why}")
+        return
+    gguf = gguf_path_for(folder)
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for w in workloads.values() for r in w.requests)
+    engine = LlamaCppEngine(gguf, threads=config.threads, n_ctx=max(512, longest + 64), kv_f32=config.llama_kv_f32,
+                            vocab_limit=tokenizer_vocab_size(folder))
+    try:
+        for w in workloads.values():
+            if engine.name in w.skip_engines:
+                continue
+            # Under a limited pool, the RAM prompt cache gets the bytes prefixserve's KV pool has.
+            budget = {}
+            if w.kv_blocks is not None:
+                budget["cache_bytes"] = w.kv_blocks * 16 * results.cost.kv_bytes_per_token
+            results.runs.append(progress.run(engine, w, **budget))
+    finally:
+        engine.close()

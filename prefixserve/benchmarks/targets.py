@@ -1,0 +1,72 @@
+"""The issue's performance targets, each judged met / not met on this run's own measurements."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from prefixserve.benchmarks.engines import RunResult
+
+SHARED_PREFIX_WORKLOADS = ("system-prompt", "long-doc-qa", "long-doc-qa-random", "long-doc-qa-tile",
+                           "long-doc-qa-interleave", "multi-turn", "prefix-repetition")
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    wanted: str                 # the threshold, in words
+    measured: Optional[float]   # the ratio measured (None: could not be measured in this run)
+    met: Optional[bool]
+    detail: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _at_least(name: str, wanted: float, measured: Optional[float], detail: str, unit: str = "x") -> Target:
+    met = None if measured is None else measured >= wanted
+    return Target(name, f">= {wanted:g}{unit}", measured, met, detail)
+
+
+def _at_most(name: str, wanted: float, measured: Optional[float], detail: str, unit: str = "x") -> Target:
+    met = None if measured is None else measured <= wanted
+    return Target(name, f"<= {wanted:g}{unit}", measured, met, detail)
+
+
+def evaluate_targets(runs: list[RunResult], ideal_computed: dict[str, int], roofline: dict) -> list[Target]:
+    wall = {(r.engine, r.workload): r.wall_s for r in runs}
+    computed = {(r.engine, r.workload): r.computed_prompt_tokens for r in runs}
+
+    def ratio(a: tuple[str, str], b: tuple[str, str]) -> Optional[float]:
+        return wall[a] / wall[b] if a in wall and b in wall else None
+
+    ps = "prefixserve"
+    out = [
+        _at_least("long-doc-qa: end to end vs HF without reuse", 9.0, ratio(("hf-padded", "long-doc-qa"),
+                  (ps, "long-doc-qa")), "HF padded-batch wall time / prefixserve wall time (cold cache)"),
+        _at_least("long-doc-qa: end to end vs HF with hand-written reuse", 3.0, ratio(("hf-reuse", "long-doc-qa"),
+                  (ps, "long-doc-qa")), "HF hand-written reuse wall time / prefixserve wall time (cold cache)"),
+        _at_most("long-doc-qa: prompt tokens computed vs ideal", 1.05,
+                 computed[(ps, "long-doc-qa")] / ideal_computed["long-doc-qa"]
+                 if (ps, "long-doc-qa") in computed else None, "computed / (document once + every question)"),
+    ]
+    on_off = ratio((ps, "no-sharing"), ("prefixserve-nocache", "no-sharing"))
+    out.append(_at_most("no-sharing: cost of prefix caching (on / off)", 1.02, on_off,
+                        "wall time with prefix caching on / off, best of the alternated repeats"))
+    out.append(_at_least("no-sharing: batched throughput vs HF padded batch", 1.5,
+                         ratio(("hf-padded", "no-sharing"), (ps, "no-sharing")), "HF wall / prefixserve wall"))
+    pre, dec, warm = roofline.get("prefill"), roofline.get("decode_b1"), roofline.get("warm_ttft")
+    out.append(_at_least("prefill of a 512-token prompt vs matmul peak", 0.85, pre and pre["fraction"],
+                         "measured tokens/s / (peak FLOP/s / FLOPs per token)", unit=""))
+    out.append(_at_least("batch-1 decode vs memory-bandwidth limit", 0.70, dec and dec["fraction"],
+                         "measured steps/s / (bandwidth / bytes read per step)", unit=""))
+    out.append(_at_most("warm TTFT of a cached long prefix vs prefilling only its suffix", 1.5,
+                        warm and warm["ratio"], "TTFT(prefix cached + new suffix) / TTFT(the suffix alone)"))
+    for w in SHARED_PREFIX_WORKLOADS:
+        r = ratio(("llama.cpp", w), (ps, w))
+        if r is not None:
+            out.append(_at_least(f"{w}: ahead of llama.cpp", 1.0, r, "llama.cpp wall / prefixserve wall"))
+    r = ratio(("llama.cpp", "no-sharing"), (ps, "no-sharing"))
+    if r is not None:
+        out.append(Target("no-sharing: ratio to llama.cpp (reported, no target)", "report", r, None,
+                          "llama.cpp wall / prefixserve wall"))
+    return out

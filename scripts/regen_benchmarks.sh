@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Regenerates docs/benchmarks.md (+ docs/benchmarks/*.png, docs/benchmarks/results.json) on this machine.
+#   scripts/regen_benchmarks.sh            # full run, random:qwen3-0.6b float32, 2 threads
+#   scripts/regen_benchmarks.sh --quick    # extra arguments go to `prefixserve bench`
+# Run it on an otherwise idle machine: every figure is a timing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+OUT=docs/benchmarks
+mkdir -p "$OUT"
+start=$(date +%s)
+"$PY" -m prefixserve.entrypoints.cli bench --model random:qwen3-0.6b --dtype float32 --threads 2 \
+    --json "$OUT/results.json" --plot "$OUT" --markdown "$OUT/report.md" "$@"
+minutes=$(( ($(date +%s) - start + 59) / 60 ))
+{
+  echo "# Benchmarks"
+  echo
+  echo "Regenerate with \`scripts/regen_benchmarks.sh\` (about ${minutes} min on this machine; \`--quick\` for a"
+  echo "short run). What each workload, engine and column means: see the end of this page."
+  echo
+  cat "$OUT/report.md"
+  echo
+  echo "![wall time](benchmarks/wall_time.png)"
+  echo "![TTFT p50](benchmarks/ttft_p50.png)"
+  echo "![prompt tokens computed](benchmarks/computed_tokens.png)"
+  echo
+  cat <<'METHOD'
+## Method
+
+- **Same weights everywhere.** `random:qwen3-0.6b` (the exact shape of Qwen3-0.6B, seeded random weights) is
+  written once as a Hugging Face checkpoint folder (sharded safetensors, config.json, the project tokenizer);
+  prefixserve and transformers load that folder, and `scripts/export_gguf.py` writes the same tensors, same
+  dtype, to the GGUF file llama.cpp loads. Timings of a forward pass do not depend on weight values.
+- **Prompts are token ids** from fixed seeds (`prefixserve/benchmarks/workloads.py`), so no tokenizer can make
+  engines see different prompts. Every request generates exactly its `max_tokens` greedily (end-of-sequence is
+  ignored by all engines), so all engines do the same work; the report counts how many outputs agree.
+- **Engines.** `prefixserve`: the engine through its public `LLMEngine` API, every request of a round added at
+  once, cache reset before the run (cold). `prefixserve-warm`: the same run again on the still-filled cache.
+  `prefixserve-nocache`: prefix caching off. `hf-padded`: transformers `generate` over a left-padded batch per
+  round, nothing reused. `hf-reuse`: the best reuse a careful transformers user can write: each shared prefix
+  (system prompt, document, conversation so far) is prefilled once into a `DynamicCache`, deep-copied per
+  request, only the request's suffix is prefilled, requests one at a time. `llama.cpp`: llama-cpp-python on the
+  GGUF export, one request at a time, with its prompt cache on (the context's common-prefix reuse plus a
+  `LlamaRAMCache` of saved states, the steps `create_completion` takes), KV in float32.
+- **Rounds.** All requests of a round arrive at its start; TTFT and end-to-end latency count from there, so a
+  one-at-a-time engine's queueing shows in its latencies. Multi-turn rounds are turns; each waits for the
+  previous one.
+- **Limits.** In the same process, before the engines: `torch.mm` FLOP/s in the benchmark dtype (best of n =
+  1024, 2048) and read bandwidth (sum over 1 GiB). Ideal prefill tokens/s = peak / FLOPs per token (2 x body
+  parameters + attention + one LM-head row per prompt); ideal decode steps/s = bandwidth / bytes read per step
+  (every weight once + the KV of every sequence). A workload's ideal time computes only tokens no earlier
+  request computed, at the matmul peak, and decodes each round as one batch at the limit.
+- **Peak RSS** is the process's resident high-water mark during the run (reset through
+  `/proc/self/clear_refs`); it includes the weights and, for prefixserve, its preallocated KV pool.
+- The machine is a shared 2-vCPU VM: expect run-to-run drift of 10-20 %; compare ratios within one run.
+METHOD
+} > docs/benchmarks.md
+rm "$OUT/report.md"
+echo "wrote docs/benchmarks.md in ${minutes} min"

@@ -1,0 +1,92 @@
+"""A --quick benchmark run on random:qwen3-tiny: it finishes, every engine runs the same weights, and
+prefix-cached outputs equal uncached ones (and transformers' greedy outputs)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from prefixserve import LLM, SamplingParams
+from prefixserve.benchmarks.checkpoint import checkpoint_folder
+from prefixserve.benchmarks.gguf_export import gguf_path_for
+from prefixserve.benchmarks.report import to_json, to_markdown, write_plots
+from prefixserve.benchmarks.runner import BenchConfig, run_benchmark
+from prefixserve.entrypoints.cli import main
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory):
+    cache = tmp_path_factory.mktemp("bench_cache")
+    config = BenchConfig(model="random:qwen3-tiny", workloads=("long-doc-qa",),
+                         engines=("prefixserve", "hf-padded", "hf-reuse"), quick=True, cache_dir=cache)
+    return run_benchmark(config)
+
+
+def _outputs(results, engine: str) -> dict[str, list[int]]:
+    run = next(r for r in results.runs if r.engine == engine)
+    return {r.request_id: r.output_token_ids for r in run.records}
+
+
+def test_cached_outputs_equal_uncached_and_transformers(results) -> None:
+    cached = _outputs(results, "prefixserve")
+    assert len(cached) == len(results.workloads["long-doc-qa"].requests)
+    assert all(len(ids) == 4 for ids in cached.values())
+    for other in ("prefixserve-nocache", "prefixserve-warm", "hf-padded", "hf-reuse"):
+        assert _outputs(results, other) == cached, other
+
+
+def test_prefix_caching_computes_the_document_once(results) -> None:
+    w = results.workloads["long-doc-qa"]
+    runs = {r.engine: r for r in results.runs}
+    assert runs["prefixserve"].computed_prompt_tokens == w.ideal_computed_tokens()
+    assert runs["prefixserve-nocache"].computed_prompt_tokens == w.prompt_tokens
+    assert runs["hf-reuse"].computed_prompt_tokens == w.ideal_computed_tokens()
+    assert runs["prefixserve-warm"].computed_prompt_tokens < len(w.requests) * 40
+
+
+def test_report_renders_every_run(results, tmp_path: Path) -> None:
+    text = to_markdown(results)
+    for engine in ("prefixserve", "prefixserve-warm", "prefixserve-nocache", "hf-padded", "hf-reuse"):
+        assert f"| {engine} |" in text
+    assert "## Targets" in text and "llama.cpp" not in {t["name"] for t in to_json(results)["targets"]}
+    doc = json.loads(json.dumps(to_json(results)))
+    assert {f["engine"] for f in doc["figures"]} >= {"prefixserve", "hf-padded"}
+    assert [p.name for p in write_plots(results, tmp_path)] == ["wall_time.png", "ttft_p50.png",
+                                                              "computed_tokens.png"]
+
+
+def test_exported_checkpoint_holds_the_random_models_weights(results) -> None:
+    folder = checkpoint_folder("random:qwen3-tiny", "float32", 0, results.config.cache_dir)
+    prompt = {"prompt_token_ids": list(range(100, 140))}
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    from_folder = LLM(str(folder)).generate(prompt, params)[0].outputs[0].token_ids
+    from_preset = LLM("random:qwen3-tiny").generate(prompt, params)[0].outputs[0].token_ids
+    assert from_folder == from_preset
+
+
+def test_gguf_export_holds_every_tensor_unchanged(results) -> None:
+    folder = checkpoint_folder("random:qwen3-tiny", "float32", 0, results.config.cache_dir)
+    reader = gguf.GGUFReader(str(gguf_path_for(folder)))
+    tensors = {t.name: t for t in reader.tensors}
+    with safe_open(str(next(folder.glob("*.safetensors"))), framework="pt") as st:
+        embed = st.get_tensor("model.embed_tokens.weight")
+        q = st.get_tensor("model.layers.1.self_attn.q_proj.weight")
+        count = len(list(st.keys()))
+    assert len(tensors) == count
+    assert np.array_equal(np.asarray(tensors["token_embd.weight"].data), embed.numpy())
+    assert np.array_equal(np.asarray(tensors["blk.1.attn_q.weight"].data), q.numpy())
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    assert len(tokens.data) == embed.shape[0]
+    assert reader.fields["general.architecture"].contents() == "qwen3"
+    assert embed.dtype == torch.float32
+
+
+def test_cli_rejects_unknown_workload(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--workload", "nope"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
