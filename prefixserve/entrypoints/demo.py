@@ -39,8 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p, default_model="random:qwen3-0.6b")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--doc-paragraphs", type=int, default=24,
-                   help="length of the long document (24 paragraphs: about 1.7k tokens)")
+    p.add_argument("--doc-paragraphs", type=int, default=12,
+                   help="length of the long document (12 paragraphs: about 870 tokens)")
     p.set_defaults(func=run)
 
 
@@ -75,7 +75,7 @@ def _run_workload(llm: LLM, prompts: list[list[int]], params: SamplingParams) ->
 
 def run(args: argparse.Namespace) -> int:
     # Wide enough for the table even when the output is not a terminal.
-    console = Console(width=max(Console().width, 120))
+    console = Console(width=max(Console().width, 150))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     results: dict[tuple[str, bool], RunResult] = {}
     for caching in (True, False):
