@@ -10,21 +10,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
-from typing import Callable
 
+from prefixserve.benchmarks.timing import best_seconds
 from prefixserve.kv import HASH_ALGOS, BlockHasher, KVCacheConfig, KVCacheManager
 
 VOCAB = 151936
-
-
-def _best_seconds(fn: Callable[[], object], repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def bench_hashing(num_tokens: int, block_size: int, repeat: int) -> dict[str, float]:
@@ -34,7 +24,7 @@ def bench_hashing(num_tokens: int, block_size: int, repeat: int) -> dict[str, fl
     rates = {}
     for algo in HASH_ALGOS:
         hasher = BlockHasher(algo, "kv-micro-model")
-        seconds = _best_seconds(lambda: hasher.hash_prompt(tokens, block_size), repeat)
+        seconds = best_seconds(lambda: hasher.hash_prompt(tokens, block_size), repeat, warmup=False)
         rates[algo] = num_tokens / seconds
     return rates
 
@@ -81,12 +71,12 @@ def bench_requests(prompt_tokens: int, block_size: int, algo: str, caching: bool
             kv.allocate_slots("dec", seq, n, 1)
 
     # decode() also pays for one prompt allocation; it is measured alone and taken off.
-    prompt_only = _best_seconds(lambda: KVCacheManager(config).allocate_slots(
-        "p", seq, 0, prompt_tokens), repeat)
+    prompt_only = best_seconds(lambda: KVCacheManager(config).allocate_slots(
+        "p", seq, 0, prompt_tokens), repeat, warmup=False)
     return {
-        "cold_us": _best_seconds(cold, repeat) / num_requests * 1e6,
-        "warm_us": _best_seconds(warm, repeat) / num_requests * 1e6,
-        "decode_us": max(0.0, _best_seconds(decode, repeat) - prompt_only) / steps * 1e6,
+        "cold_us": best_seconds(cold, repeat, warmup=False) / num_requests * 1e6,
+        "warm_us": best_seconds(warm, repeat, warmup=False) / num_requests * 1e6,
+        "decode_us": max(0.0, best_seconds(decode, repeat, warmup=False) - prompt_only) / steps * 1e6,
     }
 
 

@@ -7,12 +7,11 @@ earlier request computed, at peak, and decodes each round's requests as one batc
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
+from prefixserve.benchmarks.timing import best_seconds
 from prefixserve.benchmarks.workloads import Workload
 from prefixserve.model import ModelConfig
 
@@ -30,30 +29,20 @@ class MachineLimits:
             raise ValueError("matmul_flops and bandwidth_bytes must be positive")
 
 
-def _best_seconds(fn: Callable[[], object], repeat: int) -> float:
-    fn()  # warm-up: first-touch page faults and kernel selection are not the machine's limit
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def measure_matmul(dtype: torch.dtype, sizes: tuple[int, ...] = (1024, 2048), repeat: int = 3) -> dict[int, float]:
     """FLOP/s of an n x n x n torch.mm for each n (2 n^3 FLOPs per product)."""
     out = {}
     for n in sizes:
         a = torch.randn(n, n).to(dtype)
         b = torch.randn(n, n).to(dtype)
-        out[n] = 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), repeat)
+        out[n] = 2 * n**3 / best_seconds(lambda: torch.mm(a, b), repeat)
     return out
 
 
 def measure_bandwidth(nbytes: int = 1 << 30, repeat: int = 3) -> float:
     """Bytes/s read by summing a float32 buffer of `nbytes` (decode reads weights much like this)."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    return nbytes / _best_seconds(lambda: buf.sum(), repeat)
+    return nbytes / best_seconds(lambda: buf.sum(), repeat)
 
 
 def measure_limits(dtype: torch.dtype, quick: bool = False) -> MachineLimits:
