@@ -45,7 +45,8 @@ minutes=$(( ($(date +%s) - start + 59) / 60 ))
 - **Rounds.** All requests of a round arrive at its start; TTFT and end-to-end latency count from there, so a
   one-at-a-time engine's queueing shows in its latencies. Multi-turn rounds are turns; each waits for the
   previous one.
-- **Limits.** In the same process, before the engines: `torch.mm` FLOP/s in the benchmark dtype (best of n =
+- **Limits.** In the same process, before the engines: matmul FLOP/s in the benchmark dtype, the faster of
+  `torch.mm` and the oneDNN linear the model uses (best of n =
   1024, 2048) and read bandwidth (sum over 1 GiB). Ideal prefill tokens/s = peak / FLOPs per token (2 x body
   parameters + attention + one LM-head row per prompt); ideal decode steps/s = bandwidth / bytes read per step
   (every weight once + the KV of every sequence). A workload's ideal time computes only tokens no earlier

@@ -51,7 +51,8 @@ def to_markdown(res: BenchResults) -> str:
     lines += ["## The machine's limits (measured in this run)", "",
               "| figure | value |", "|---|---|"]
     for n, flops in sorted(lim.matmul_by_size.items()):
-        lines.append(f"| torch.mm {lim.dtype}, n = {n} | {flops / 1e9:.1f} GFLOP/s |")
+        lines.append(f"| matmul {lim.dtype}, n = {n} (faster of torch.mm, oneDNN linear) | "
+                     f"{flops / 1e9:.1f} GFLOP/s |")
     lines.append(f"| memory bandwidth (sum over {'256 MiB' if c.quick else '1 GiB'}) | "
                  f"{lim.bandwidth_bytes / 1e9:.1f} GB/s |")
     lines.append(f"| ideal prefill, 512-token prompt | {ideal_prefill_tokens_per_s(cost, lim, 512):.0f} tokens/s |")

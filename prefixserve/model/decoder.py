@@ -16,6 +16,7 @@ from prefixserve.model.attention.backend import AttentionBackend, get_attention_
 from prefixserve.model.attention.metadata import AttentionMetadata
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, empty_parameter
+from prefixserve.model.linear import linear
 
 
 class Attention(nn.Module):
@@ -45,7 +46,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = F.linear(x, self.qkv_proj, self.qkv_bias).split(
+        q, k, v = linear(x, self.qkv_proj, self.qkv_bias).split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
@@ -54,7 +55,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return F.linear(out.view(tokens, self.q_size), self.o_proj, self.o_bias)
+        return linear(out.view(tokens, self.q_size), self.o_proj, self.o_bias)
 
 
 class DecoderLayer(nn.Module):
@@ -111,4 +112,4 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the given rows only (the caller selects the rows to sample)."""
         # A strided row selection makes low-precision oneDNN matmuls very slow; feed a dense copy.
-        return F.linear(hidden.contiguous(), self.lm_head).float()
+        return linear(hidden.contiguous(), self.lm_head).float()

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefixserve.model.linear import linear
+
 
 def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
@@ -98,5 +100,5 @@ class GatedMLP(nn.Module):
         self.down_proj = empty_parameter(hidden_size, intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj)
