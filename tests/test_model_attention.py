@@ -12,6 +12,7 @@ import torch
 
 from prefixserve.model.attention.backend import get_attention_backend
 from prefixserve.model.attention.metadata import AttentionMetadata
+from prefixserve.model.attention.torch_paged import attention_with_lse, reference_attention_with_lse
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 8
 BLOCK_SIZE, NUM_BLOCKS = 4, 40
@@ -40,7 +41,14 @@ class Scenario:
         self.dense: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.tables: dict[int, list[int]] = {}
 
-    def run(self, plan: list[tuple[int, int]]) -> None:
+    def fork(self, parent: int, child: int, blocks: int) -> None:
+        """`child` starts as the first `blocks` full blocks of `parent`, sharing them physically."""
+        keys, values = self.dense[parent]
+        assert len(keys) >= blocks * BLOCK_SIZE
+        self.dense[child] = (keys[: blocks * BLOCK_SIZE], values[: blocks * BLOCK_SIZE])
+        self.tables[child] = self.tables[parent][:blocks]
+
+    def run(self, plan: list[tuple[int, int]]) -> AttentionMetadata:
         """One backend call over (sequence, new tokens) pairs, checked against the reference."""
         total = sum(n for _, n in plan)
         q = torch.randn(total, HEADS, HEAD_DIM, generator=self.generator)
@@ -80,6 +88,7 @@ class Scenario:
                 assert torch.equal(self.pool[0, block, offset], keys[pos])
                 assert torch.equal(self.pool[1, block, offset], values[pos])
             start += count
+        return meta
 
 
 def test_fresh_prefills_and_decodes_match_reference() -> None:
@@ -103,6 +112,51 @@ def test_single_decode_matches_reference(seed: int) -> None:
     scenario.run([(0, 10)])
     scenario.run([(0, 1)])
     scenario.run([(0, 1)])
+
+
+def test_decodes_sharing_leading_blocks_match_reference() -> None:
+    """Forked sequences decode together: shared runs are read once and merged with each suffix."""
+    scenario = Scenario(seed=4)
+    scenario.run([(0, 14), (1, 9)])
+    scenario.fork(0, 2, blocks=3)   # shares 3 blocks with 0; its next token fills slot 12
+    scenario.fork(0, 3, blocks=2)   # shares 2 with 0 and 2
+    scenario.fork(1, 4, blocks=2)   # a second run, through sequence 1
+    scenario.fork(0, 5, blocks=1)
+    scenario.run([(2, 2), (3, 1), (4, 3)])
+    meta = scenario.run([(1, 1), (0, 1), (2, 1), (3, 1), (4, 1), (5, 1)])
+    runs = {tuple(r.members.tolist()): r.blocks.tolist() for r in meta.decode_plan.shared}
+    # rows: 1, 0, 2, 3, 4, 5 -> sequences 0, 2, 3, 5 share block 1 of seq 0; 1 and 4 share two blocks
+    assert runs == {(1, 2, 3, 5): scenario.tables[0][:1], (0, 4): scenario.tables[1][:2]}
+    for _ in range(5):  # runs lengthen and shift as the sequences grow past block boundaries
+        scenario.run([(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)])
+
+
+def test_decodes_with_a_chunk_and_shared_run_match_reference() -> None:
+    """Decode rows that are not the whole batch: gathered from and scattered back between prefill rows."""
+    scenario = Scenario(seed=5)
+    scenario.run([(0, 17)])
+    scenario.fork(0, 1, blocks=4)
+    scenario.fork(0, 2, blocks=4)
+    scenario.run([(1, 1), (2, 3)])
+    meta = scenario.run([(3, 6), (1, 1), (0, 5), (2, 1)])
+    assert [r.members.tolist() for r in meta.decode_plan.shared] == [[0, 1]]
+
+
+def test_attention_with_lse_kernel_matches_plain_matmuls() -> None:
+    """The CPU flash kernel's (out, log-sum-exp) against the matmul path other devices take."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(3, 2, 5, HEAD_DIM, generator=g)
+    # strided k/v, as gathered from the pool
+    k = torch.randn(3, 11, 2, HEAD_DIM, generator=g).transpose(1, 2)
+    v = torch.randn(3, 11, 2, HEAD_DIM, generator=g).transpose(1, 2)
+    bias = torch.zeros(3, 1, 1, 11)
+    bias[0, ..., 7:] = float("-inf")
+    out, lse = attention_with_lse(q, k, v, bias, SCALE)
+    ref_out, ref_lse = reference_attention_with_lse(q, k, v, bias, SCALE)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    dense = torch.softmax((q @ k.transpose(-1, -2)) * SCALE + bias, dim=-1) @ v
+    torch.testing.assert_close(ref_out, dense, rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_backend_is_named() -> None:

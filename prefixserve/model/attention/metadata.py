@@ -7,8 +7,11 @@ are rows ``query_start_loc[s]:query_start_loc[s + 1]`` of the flat batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+from prefixserve.model.attention.cascade import DecodePlan, plan_decode
 
 
 @dataclass
@@ -27,6 +30,7 @@ class AttentionMetadata:
     # Host copies, so backends can plan without reading tensors back.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    block_tables_cpu: list[list[int]]
 
     @property
     def num_seqs(self) -> int:
@@ -35,6 +39,12 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens_cpu)
+
+    @cached_property
+    def decode_plan(self) -> DecodePlan | None:
+        """The step's single-token queries grouped by shared leading blocks; planned once, read by every layer."""
+        return plan_decode(self.query_lens_cpu, self.seq_lens_cpu, self.block_tables_cpu, self.block_size,
+                           self.slot_mapping.device)
 
     @classmethod
     def build(
@@ -74,4 +84,5 @@ class AttentionMetadata:
             block_size=block_size,
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=list(seq_lens),
+            block_tables_cpu=[list(t) for t in block_tables],
         )

@@ -2,7 +2,8 @@
 
 Writes go through one index_copy_ per pool. Reads: a prefill chunk gathers its
 sequence's blocks and runs one SDPA call; every decode token of the step
-(query length 1) is answered by a single padded SDPA call with a key mask.
+(query length 1) is answered together, reading each run of blocks shared by
+several sequences once (see cascade.py) and the rest through one padded gather.
 """
 from __future__ import annotations
 
@@ -10,11 +11,40 @@ import torch
 import torch.nn.functional as F
 
 from prefixserve.model.attention.backend import AttentionBackend
+from prefixserve.model.attention.cascade import DecodePlan
 from prefixserve.model.attention.metadata import AttentionMetadata
+
+
+class GatherBuffer:
+    """A reused destination for K/V read through block tables.
+
+    A fresh tensor of tens of MB per layer costs more in page faults than the copy
+    itself (gathering 71 MB: 46 ms into a new tensor, 7 ms into a reused one), so
+    the buffer is kept, at the size of the largest gather so far.
+    """
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def __call__(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `blocks`, each [len(blocks) * block_size, KVH, D], valid until the next call."""
+        block_shape = kv_cache.shape[2:]
+        per_pool = blocks.numel() * block_shape.numel()
+        buf = self._buffer
+        if buf is None or buf.numel() < 2 * per_pool or buf.dtype != kv_cache.dtype or buf.device != kv_cache.device:
+            buf = self._buffer = torch.empty(2 * per_pool, dtype=kv_cache.dtype, device=kv_cache.device)
+        keys = buf[:per_pool].view(blocks.numel(), *block_shape)
+        values = buf[per_pool: 2 * per_pool].view(blocks.numel(), *block_shape)
+        torch.index_select(kv_cache[0], 0, blocks, out=keys)
+        torch.index_select(kv_cache[1], 0, blocks, out=values)
+        return keys.flatten(0, 1), values.flatten(0, 1)
 
 
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
+
+    def __init__(self) -> None:
+        self._gather = GatherBuffer()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -25,72 +55,91 @@ class TorchPagedAttention(AttentionBackend):
         v_pool.index_copy_(0, meta.slot_mapping, v)
 
         out = q.new_empty(q.shape)
-        decode_seqs: list[int] = []
-        decode_rows: list[int] = []
         start = 0
         for s, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            if q_len == 1:
-                decode_seqs.append(s)
-                decode_rows.append(start)
-            elif q_len > 1:
+            if q_len > 1:
                 rows = slice(start, start + q_len)
                 if q_len == seq_len:
                     # Nothing cached before this chunk: its own k/v are the whole context.
                     out[rows] = _attend(q[rows], k[rows], v[rows], None, scale)
                 else:
-                    keys, values = _gather(kv_cache, meta.block_tables[s], seq_len, meta.block_size)
+                    used = -(-seq_len // meta.block_size)
+                    keys, values = self._gather(kv_cache, meta.block_tables[s, :used])
+                    keys, values = keys[:seq_len], values[:seq_len]
                     visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device)
                     visible = visible.tril(diagonal=seq_len - q_len)
                     out[rows] = _attend(q[rows], keys, values, visible, scale)
             start += q_len
-        if decode_seqs:
-            self._decode(q, kv_cache, meta, decode_seqs, decode_rows, scale, out)
+        plan = meta.decode_plan
+        if plan is not None:
+            result = _decode(q if plan.all_rows else q.index_select(0, plan.rows), kv_cache, plan, scale,
+                             self._gather)
+            if plan.all_rows:
+                out.copy_(result)
+            else:
+                out.index_copy_(0, plan.rows, result)
         return out
 
-    @staticmethod
-    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                seqs: list[int], rows: list[int], scale: float, out: torch.Tensor) -> None:
-        """All single-token queries at once, each seeing its sequence's first seq_len slots."""
-        seq_lens = [meta.seq_lens_cpu[s] for s in seqs]
-        longest = max(seq_lens)
-        num_blocks = -(-longest // meta.block_size)
-        device = q.device
-        if len(seqs) == meta.num_seqs:
-            tables = meta.block_tables[:, :num_blocks]
-            queries = q
-        else:
-            seq_index = torch.tensor(seqs, dtype=torch.long, device=device)
-            tables = meta.block_tables.index_select(0, seq_index)[:, :num_blocks]
-            queries = q.index_select(0, torch.tensor(rows, dtype=torch.long, device=device))
-        batch, (num_kv_heads, head_dim) = len(seqs), kv_cache.shape[-2:]
-        # index_select on the flattened table: an order of magnitude faster than advanced
-        # indexing with a 2-D index. [batch * blocks, BS, KVH, D] -> [batch, KVH, slots, D]
-        flat_tables = tables.reshape(-1)
-        keys = kv_cache[0].index_select(0, flat_tables).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-        values = kv_cache[1].index_select(0, flat_tables).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-        if batch == 1:
-            keys, values, mask = keys[:, :, :longest], values[:, :, :longest], None
-        else:
-            lengths = torch.tensor(seq_lens, dtype=torch.long, device=device)
-            slots = torch.arange(keys.shape[2], device=device)
-            mask = (slots[None, :] < lengths[:, None])[:, None, None, :]
-        result = F.scaled_dot_product_attention(
-            queries.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        result = result.squeeze(2)
-        if len(seqs) == meta.num_seqs:
-            out.copy_(result)
-        else:
-            out.index_copy_(0, torch.tensor(rows, dtype=torch.long, device=device), result)
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: float,
+            gather: GatherBuffer) -> torch.Tensor:
+    """Single-token queries q [N, H, D] over their contexts, each shared run read once.
+
+    The G query heads of a KV head are laid out as G query rows of that head, so
+    grouped-query attention needs no K/V expansion. Suffix and run results are
+    merged exactly through their log-sum-exps.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[-2]
+    group = num_heads // num_kv_heads
+    queries = q.view(n, num_kv_heads, group, head_dim)
+
+    keys, values = gather(kv_cache, plan.suffix_tables.view(-1))
+    keys = keys.view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = values.view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+    bias = None
+    if plan.suffix_padded:
+        bias = torch.zeros(plan.suffix_padding.shape, dtype=q.dtype, device=q.device)
+        bias.masked_fill_(plan.suffix_padding, float("-inf"))
+    out, lse = attention_with_lse(queries, keys, values, bias, scale)  # [N, KVH, G, D], [N, KVH, G]
+
+    for run in plan.shared:
+        members = run.members
+        m = len(members)
+        # every member's queries against the run at once: [1, KVH, m * G, D] over [1, KVH, P, D]
+        stacked = queries.index_select(0, members).transpose(0, 1).reshape(1, num_kv_heads, m * group, head_dim)
+        run_keys, run_values = gather(kv_cache, run.blocks)
+        run_keys, run_values = run_keys.transpose(0, 1)[None], run_values.transpose(0, 1)[None]
+        run_out, run_lse = attention_with_lse(stacked, run_keys, run_values, None, scale)
+        run_out = run_out.view(num_kv_heads, m, group, head_dim).transpose(0, 1).float()
+        run_lse = run_lse.view(num_kv_heads, m, group).transpose(0, 1)
+        own_out, own_lse = out.index_select(0, members).float(), lse.index_select(0, members)
+        both = torch.logaddexp(own_lse, run_lse)
+        merged = (own_out * (own_lse - both).exp().unsqueeze(-1) + run_out * (run_lse - both).exp().unsqueeze(-1))
+        out.index_copy_(0, members, merged.to(out.dtype))
+    return out.reshape(n, num_heads, head_dim)
 
 
-def _gather(kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int,
-            block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first seq_len K and V rows [seq_len, KVH, D] of one sequence, read through its blocks."""
-    blocks = table[: -(-seq_len // block_size)]
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    keys = kv_cache[0].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
-    values = kv_cache[1].index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
-    return keys, values
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-causal attention q [B, H, Lq, D] over k/v [B, H, Lk, D] (any strides) plus an additive bias,
+    returning (out [B, H, Lq, D], float32 log-sum-exp of the scaled scores [B, H, Lq])."""
+    if q.device.type == "cpu":
+        # the CPU flash kernel behind F.scaled_dot_product_attention, which also returns the LSE
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+        return out, lse
+    return reference_attention_with_lse(q, k, v, bias, scale)
+
+
+def reference_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_with_lse in plain matmuls, for devices without the CPU kernel."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if bias is not None:
+        scores = scores + bias
+    lse = scores.logsumexp(-1)
+    return torch.matmul((scores - lse.unsqueeze(-1)).exp().to(v.dtype), v), lse
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
