@@ -144,27 +144,27 @@ def _run_prefixserve(config: BenchConfig, folder: Path, workloads: dict[str, Wor
 
     plain = [w for w in workloads.values() if w.kv_blocks is None]
     pool = _KV_POOL_QUICK if config.quick else _KV_POOL
-    # One engine resident at a time: the machine is shared and each holds the weights plus its KV pool.
+    # Caching on and off are both resident so their runs of a workload alternate: the ratio of the two
+    # then does not depend on what the shared machine did in the minutes between them.
     on = PrefixServeEngine("prefixserve", folder, config.dtype, kv_cache_memory=pool)
+    off = PrefixServeEngine("prefixserve-nocache", folder, config.dtype, prefix_caching=False, kv_cache_memory=pool)
     try:
         for w in plain:
-            results.runs.append(_best_of(progress, on, w, _repeats(config, w)))
+            cached, uncached = _alternating_best_of(progress, on, off, w, _repeats(config, w))
+            results.runs.append(cached)
             on.warm = True
             results.runs.append(progress.run(on, w, label="prefixserve-warm"))
             on.warm = False
+            results.runs.append(uncached)
             if w.name == "tenants":
                 unsalted = progress.run(on, without_salts(w))
                 unsalted.engine, unsalted.workload = "prefixserve-unsalted", w.name
                 results.runs.append(unsalted)
+        off.close()
         progress.note("measuring prefill, decode and warm TTFT against the machine's limits")
         results.roofline = measure_roofline(on.engine, results.cost, results.limits, config.quick)
     finally:
         on.close()
-    off = PrefixServeEngine("prefixserve-nocache", folder, config.dtype, prefix_caching=False, kv_cache_memory=pool)
-    try:
-        for w in plain:
-            results.runs.append(_best_of(progress, off, w, _repeats(config, w)))
-    finally:
         off.close()
     by_pool: dict[int, list[Workload]] = {}
     for w in workloads.values():
@@ -180,12 +180,15 @@ def _run_prefixserve(config: BenchConfig, folder: Path, workloads: dict[str, Wor
 
 
 def _repeats(config: BenchConfig, w: Workload) -> int:
-    # no-sharing judges a 2% difference (caching on vs off): the best of two runs damps machine noise.
-    return 2 if w.name == "no-sharing" and not config.quick else 1
+    # no-sharing judges a 2% difference (caching on vs off): the best of three alternating runs damps noise.
+    return 3 if w.name == "no-sharing" and not config.quick else 1
 
 
-def _best_of(progress: _Progress, engine, w: Workload, repeats: int) -> RunResult:
-    return min((progress.run(engine, w) for _ in range(repeats)), key=lambda r: r.wall_s)
+def _alternating_best_of(progress: _Progress, first, second, w: Workload,
+                         repeats: int) -> tuple[RunResult, RunResult]:
+    """Runs `first`, `second`, `first`, ... and keeps each engine's fastest run."""
+    runs = [(progress.run(first, w), progress.run(second, w)) for _ in range(repeats)]
+    return min((a for a, _ in runs), key=lambda r: r.wall_s), min((b for _, b in runs), key=lambda r: r.wall_s)
 
 
 def _run_hf(config: BenchConfig, folder: Path, workloads: dict[str, Workload], progress: _Progress,

@@ -60,5 +60,6 @@ class PrefixServeEngine:
                                 "kv_cache_bytes": after.kv_cache_bytes})
 
     def close(self) -> None:
-        del self.engine
-        gc.collect()
+        """Frees the weights and KV pool now; safe to call twice."""
+        if self.__dict__.pop("engine", None) is not None:
+            gc.collect()
