@@ -180,15 +180,20 @@ def _run_prefixserve(config: BenchConfig, folder: Path, workloads: dict[str, Wor
 
 
 def _repeats(config: BenchConfig, w: Workload) -> int:
-    # no-sharing judges a 2% difference (caching on vs off): the best of three alternating runs damps noise.
+    # no-sharing judges a 2% difference (caching on vs off): three back-to-back pairs, judged by their median.
     return 3 if w.name == "no-sharing" and not config.quick else 1
 
 
 def _alternating_best_of(progress: _Progress, first, second, w: Workload,
                          repeats: int) -> tuple[RunResult, RunResult]:
-    """Runs `first`, `second`, `first`, ... and keeps each engine's fastest run."""
+    """Runs `first`, `second`, `first`, ... and keeps each engine's fastest run. The first's kept run
+    also records every paired wall-time ratio (first / second, back to back) as `paired_ratios`."""
     runs = [(progress.run(first, w), progress.run(second, w)) for _ in range(repeats)]
-    return min((a for a, _ in runs), key=lambda r: r.wall_s), min((b for _, b in runs), key=lambda r: r.wall_s)
+    best_first = min((a for a, _ in runs), key=lambda r: r.wall_s)
+    best_second = min((b for _, b in runs), key=lambda r: r.wall_s)
+    if repeats > 1:
+        best_first.extra["paired_ratios"] = [a.wall_s / b.wall_s for a, b in runs]
+    return best_first, best_second
 
 
 def _run_hf(config: BenchConfig, folder: Path, workloads: dict[str, Workload], progress: _Progress,
