@@ -98,24 +98,25 @@ def _tokens(rng: random.Random, n: int) -> tuple[int, ...]:
     return tuple(rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(n))
 
 
-def system_prompt(quick: bool, seed: int = 1) -> Workload:
+def _one_shared_prefix(name: str, id_prefix: str, label: str, prefix_len: int, n: int, lo: int, hi: int,
+                       out: int, seed: int) -> Workload:
+    """One prefix of `prefix_len` tokens, then `n` requests each adding lo..hi tokens of its own."""
     rng = random.Random(seed)
+    prefix = _tokens(rng, prefix_len)
+    reqs = tuple(BenchRequest(f"{id_prefix}-{i}", prefix + _tokens(rng, rng.randint(lo, hi)), out,
+                              shared_prefix_len=prefix_len) for i in range(n))
+    return Workload(name, f"{label}, {n} questions of {lo}-{hi} tokens, {out} output tokens each", seed, (reqs,))
+
+
+def system_prompt(quick: bool, seed: int = 1) -> Workload:
     sys_len, n, out = (128, 4, 4) if quick else (320, 12, 16)
-    system = _tokens(rng, sys_len)
-    reqs = tuple(BenchRequest(f"sys-{i}", system + _tokens(rng, rng.randint(16, 48)), out,
-                              shared_prefix_len=sys_len) for i in range(n))
-    return Workload("system-prompt", f"one {sys_len}-token system prompt, {n} questions of 16-48 tokens, "
-                    f"{out} output tokens each", seed, (reqs,))
+    return _one_shared_prefix("system-prompt", "sys", f"one {sys_len}-token system prompt", sys_len, n, 16, 48,
+                              out, seed)
 
 
 def long_doc_qa(quick: bool, seed: int = 2) -> Workload:
-    rng = random.Random(seed)
     doc_len, n, out = (256, 4, 4) if quick else (1024, 16, 16)
-    doc = _tokens(rng, doc_len)
-    reqs = tuple(BenchRequest(f"doc-{i}", doc + _tokens(rng, rng.randint(24, 40)), out,
-                              shared_prefix_len=doc_len) for i in range(n))
-    return Workload("long-doc-qa", f"one {doc_len}-token document, {n} questions of 24-40 tokens, "
-                    f"{out} output tokens each", seed, (reqs,))
+    return _one_shared_prefix("long-doc-qa", "doc", f"one {doc_len}-token document", doc_len, n, 24, 40, out, seed)
 
 
 def long_doc_qa_order(order: str, quick: bool, seed: int = 3) -> Workload:
