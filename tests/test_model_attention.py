@@ -10,9 +10,11 @@ import math
 import pytest
 import torch
 
-from prefixserve.model.attention.backend import get_attention_backend
+from prefixserve.model.attention.backend import AttentionBackend, get_attention_backend
 from prefixserve.model.attention.metadata import AttentionMetadata
-from prefixserve.model.attention.torch_paged import attention_with_lse, reference_attention_with_lse
+from prefixserve.model.attention.torch_paged import TorchPagedAttention, attention_with_lse, \
+    reference_attention_with_lse
+from prefixserve.model.native.build import compiler
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 8
 BLOCK_SIZE, NUM_BLOCKS = 4, 40
@@ -31,10 +33,24 @@ def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return out
 
 
+@pytest.fixture(params=["native decode", "gather decode"])
+def backend(request) -> AttentionBackend:
+    """The torch backend with decode read straight from the pool by the C kernel, and without it."""
+    if request.param == "gather decode":
+        return TorchPagedAttention(use_native=False)
+    built = TorchPagedAttention(use_native=True)
+    if built._decode_kernel is None:
+        if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and compiler() is not None:
+            pytest.fail("the paged decode kernel must build on a machine with AVX2 and a C compiler")
+        pytest.skip("needs an x86 CPU with AVX2 and a C compiler")
+    return built
+
+
 class Scenario:
     """Sequences whose K/V live both in a paged pool (for the backend) and densely (for the reference)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, backend: AttentionBackend) -> None:
+        self.backend = backend
         self.generator = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(NUM_BLOCKS, generator=self.generator).tolist()
         self.pool = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
@@ -71,7 +87,7 @@ class Scenario:
             tables.append(list(table))
             start += count
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE)
-        out = get_attention_backend("torch").forward(q, k, v, self.pool, meta, SCALE)
+        out = self.backend.forward(q, k, v, self.pool, meta, SCALE)
 
         assert out.shape == q.shape and out.is_contiguous()
         start = 0
@@ -91,14 +107,14 @@ class Scenario:
         return meta
 
 
-def test_fresh_prefills_and_decodes_match_reference() -> None:
-    scenario = Scenario(seed=0)
+def test_fresh_prefills_and_decodes_match_reference(backend: AttentionBackend) -> None:
+    scenario = Scenario(seed=0, backend=backend)
     scenario.run([(0, 9), (1, 1), (2, 4), (3, 13)])
     scenario.run([(3, 1), (0, 1), (2, 1), (1, 1)])
 
 
-def test_chunks_over_cached_context_mixed_with_decodes_match_reference() -> None:
-    scenario = Scenario(seed=1)
+def test_chunks_over_cached_context_mixed_with_decodes_match_reference(backend: AttentionBackend) -> None:
+    scenario = Scenario(seed=1, backend=backend)
     scenario.run([(0, 6), (1, 11), (2, 3)])
     # a chunk continuing a cached prefix, decodes of different lengths, a new prompt, and a
     # sequence that schedules no token this step; out of order
@@ -107,16 +123,16 @@ def test_chunks_over_cached_context_mixed_with_decodes_match_reference() -> None
 
 
 @pytest.mark.parametrize("seed", [2, 3])
-def test_single_decode_matches_reference(seed: int) -> None:
-    scenario = Scenario(seed=seed)
+def test_single_decode_matches_reference(seed: int, backend: AttentionBackend) -> None:
+    scenario = Scenario(seed=seed, backend=backend)
     scenario.run([(0, 10)])
     scenario.run([(0, 1)])
     scenario.run([(0, 1)])
 
 
-def test_decodes_sharing_leading_blocks_match_reference() -> None:
+def test_decodes_sharing_leading_blocks_match_reference(backend: AttentionBackend) -> None:
     """Forked sequences decode together: shared runs are read once and merged with each suffix."""
-    scenario = Scenario(seed=4)
+    scenario = Scenario(seed=4, backend=backend)
     scenario.run([(0, 14), (1, 9)])
     scenario.fork(0, 2, blocks=3)   # shares 3 blocks with 0; its next token fills slot 12
     scenario.fork(0, 3, blocks=2)   # shares 2 with 0 and 2
@@ -131,9 +147,9 @@ def test_decodes_sharing_leading_blocks_match_reference() -> None:
         scenario.run([(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)])
 
 
-def test_decodes_with_a_chunk_and_shared_run_match_reference() -> None:
+def test_decodes_with_a_chunk_and_shared_run_match_reference(backend: AttentionBackend) -> None:
     """Decode rows that are not the whole batch: gathered from and scattered back between prefill rows."""
-    scenario = Scenario(seed=5)
+    scenario = Scenario(seed=5, backend=backend)
     scenario.run([(0, 17)])
     scenario.fork(0, 1, blocks=4)
     scenario.fork(0, 2, blocks=4)

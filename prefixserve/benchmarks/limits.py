@@ -42,15 +42,19 @@ def measure_matmul(dtype: torch.dtype, sizes: tuple[int, ...] = (1024, 2048), re
     return out
 
 
-def measure_bandwidth(nbytes: int = 1 << 30, repeat: int = 3) -> float:
-    """Bytes/s read by summing a float32 buffer of `nbytes` (decode reads weights much like this)."""
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    return nbytes / best_seconds(lambda: buf.sum(), repeat)
+def bandwidth_buffer(quick: bool) -> torch.Tensor:
+    """float32 ones far larger than the caches: 1 GiB, or 256 MiB for quick runs."""
+    return torch.ones(((256 << 20) if quick else (1 << 30)) // 4, dtype=torch.float32)
+
+
+def measure_bandwidth(buf: torch.Tensor, repeat: int = 3) -> float:
+    """Bytes/s read by summing `buf` (decode reads weights much like this)."""
+    return buf.numel() * buf.element_size() / best_seconds(lambda: buf.sum(), repeat)
 
 
 def measure_limits(dtype: torch.dtype, quick: bool = False) -> MachineLimits:
     by_size = measure_matmul(dtype, (1024,) if quick else (1024, 2048), repeat=2 if quick else 3)
-    bandwidth = measure_bandwidth((256 << 20) if quick else (1 << 30), repeat=2 if quick else 3)
+    bandwidth = measure_bandwidth(bandwidth_buffer(quick), repeat=2 if quick else 3)
     return MachineLimits(max(by_size.values()), by_size, bandwidth, str(dtype).removeprefix("torch."),
                          torch.get_num_threads())
 

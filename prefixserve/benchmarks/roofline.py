@@ -1,7 +1,9 @@
 """prefixserve's single-request speeds, each set against the machine's limit for it.
 
 prefill: one 512-token prompt, nothing cached, timed to its first token.
-decode: one sequence, time per output token after the first.
+decode: one sequence, time per output token after the first; the memory bandwidth
+it is set against is measured between its rounds, best of each, because on a
+shared machine the bandwidth of a minute earlier says little (16-24 GB/s swings).
 warm TTFT: a long prefix already cached plus a new 32-token suffix, against
 the first-token time of a prompt made of that suffix alone (what computing only
 the uncached tokens costs).
@@ -11,10 +13,11 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from dataclasses import replace
 
 from prefixserve import LLMEngine, SamplingParams
-from prefixserve.benchmarks.limits import MachineLimits, ModelCost, ideal_decode_steps_per_s, \
-    ideal_prefill_tokens_per_s
+from prefixserve.benchmarks.limits import MachineLimits, ModelCost, bandwidth_buffer, ideal_decode_steps_per_s, \
+    ideal_prefill_tokens_per_s, measure_bandwidth
 from prefixserve.benchmarks.workloads import TOKEN_HIGH, TOKEN_LOW
 
 _ids = iter(range(1 << 62))
@@ -48,12 +51,16 @@ def measure_roofline(engine: LLMEngine, cost: ModelCost, limits: MachineLimits, 
     prefill_rate = prefill_len / prefill_s
     prefill_ideal = ideal_prefill_tokens_per_s(cost, limits, prefill_len)
 
-    per_token = []
+    per_token, bandwidths = [], []
+    buf = bandwidth_buffer(quick)
     for _ in range(repeat):
+        bandwidths.append(measure_bandwidth(buf, repeat=2))
         ttft, e2e, n = time_request(engine, _tokens(rng, 64), decode_tokens)
         per_token.append((e2e - ttft) / (n - 1))
+    del buf
     decode_rate = 1.0 / min(per_token)
-    decode_ideal = ideal_decode_steps_per_s(cost, limits, [64 + decode_tokens // 2])
+    decode_limits = replace(limits, bandwidth_bytes=max(bandwidths))
+    decode_ideal = ideal_decode_steps_per_s(cost, decode_limits, [64 + decode_tokens // 2])
 
     doc = _tokens(rng, doc_len)
     time_request(engine, doc + _tokens(rng, suffix_len), 1)
@@ -63,7 +70,7 @@ def measure_roofline(engine: LLMEngine, cost: ModelCost, limits: MachineLimits, 
         "prefill": {"tokens": prefill_len, "tokens_per_s": prefill_rate, "ideal_tokens_per_s": prefill_ideal,
                     "fraction": prefill_rate / prefill_ideal},
         "decode_b1": {"steps_per_s": decode_rate, "ideal_steps_per_s": decode_ideal,
-                      "fraction": decode_rate / decode_ideal},
+                      "bandwidth_bytes": decode_limits.bandwidth_bytes, "fraction": decode_rate / decode_ideal},
         "warm_ttft": {"prefix_tokens": doc_len, "suffix_tokens": suffix_len, "warm_ttft_s": warm,
                       "suffix_only_ttft_s": suffix_only, "ratio": warm / suffix_only},
     }

@@ -34,6 +34,7 @@ class DecodePlan:
     suffix_tables: torch.Tensor   # [N, S_blocks] int64: blocks after each sequence's shared run, 0-padded
     suffix_padding: torch.Tensor  # [N, 1, 1, S_blocks * block_size] bool: True where a slot is past the end
     suffix_padded: bool           # any True in suffix_padding
+    suffix_lens: torch.Tensor     # [N] int64: tokens in each sequence's suffix
     shared: tuple[SharedRun, ...]
 
 
@@ -85,6 +86,7 @@ def plan_decode(query_lens: list[int], seq_lens: list[int], block_tables: list[l
         suffix_tables=torch.tensor([t + [0] * (width - len(t)) for t in suffixes], **as_long),
         suffix_padding=(slots[None, :] >= suffix_lens[:, None])[:, None, None, :],
         suffix_padded=padded,
+        suffix_lens=suffix_lens,
         shared=tuple(SharedRun(members=torch.tensor(m, **as_long), blocks=torch.tensor(b, **as_long))
                      for m, b in runs),
     )

@@ -13,6 +13,13 @@ import torch.nn.functional as F
 from prefixserve.model.attention.backend import AttentionBackend
 from prefixserve.model.attention.cascade import DecodePlan
 from prefixserve.model.attention.metadata import AttentionMetadata
+from prefixserve.model.native.paged_decode_attention import PagedDecodeAttention, default_kernel
+
+
+# The native decode kernel's cost grows with the query rows it serves (it is a loop of dot products);
+# the flash kernel over a gathered copy pays the gather but blocks its rows like a GEMM. Over a 1k-token
+# run they cross at about 20 rows.
+NATIVE_RUN_ROWS = 16
 
 
 class GatherBuffer:
@@ -47,8 +54,10 @@ class GatherBuffer:
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, use_native: bool = True) -> None:
         self._gather = GatherBuffer()
+        # decode reads K/V straight from the pool where the native kernel is available
+        self._decode_kernel = default_kernel() if use_native else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -76,8 +85,11 @@ class TorchPagedAttention(AttentionBackend):
             start += q_len
         plan = meta.decode_plan
         if plan is not None:
+            kernel = self._decode_kernel
+            if kernel is not None and not kernel.supports(q, kv_cache):
+                kernel = None
             result = _decode(q if plan.all_rows else q.index_select(0, plan.rows), kv_cache, plan, scale,
-                             self._gather)
+                             self._gather, kernel)
             if plan.all_rows:
                 out.copy_(result)
             else:
@@ -86,7 +98,7 @@ class TorchPagedAttention(AttentionBackend):
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: float,
-            gather: GatherBuffer) -> torch.Tensor:
+            gather: GatherBuffer, kernel: PagedDecodeAttention | None) -> torch.Tensor:
     """Single-token queries q [N, H, D] over their contexts, each shared run read once.
 
     The G query heads of a KV head are laid out as G query rows of that head, so
@@ -98,23 +110,30 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: fl
     group = num_heads // num_kv_heads
     queries = q.view(n, num_kv_heads, group, head_dim)
 
-    keys, values = gather(kv_cache, plan.suffix_tables.view(-1))
-    keys = keys.view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = values.view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-    bias = None
-    if plan.suffix_padded:
-        bias = torch.zeros(plan.suffix_padding.shape, dtype=q.dtype, device=q.device)
-        bias.masked_fill_(plan.suffix_padding, float("-inf"))
-    out, lse = attention_with_lse(queries, keys, values, bias, scale)  # [N, KVH, G, D], [N, KVH, G]
+    if kernel is not None:
+        out, lse = kernel(queries, kv_cache, plan.suffix_tables, plan.suffix_lens, scale)
+    else:
+        keys, values = gather(kv_cache, plan.suffix_tables.view(-1))
+        keys = keys.view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        values = values.view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        bias = None
+        if plan.suffix_padded:
+            bias = torch.zeros(plan.suffix_padding.shape, dtype=q.dtype, device=q.device)
+            bias.masked_fill_(plan.suffix_padding, float("-inf"))
+        out, lse = attention_with_lse(queries, keys, values, bias, scale)  # [N, KVH, G, D], [N, KVH, G]
 
     for run in plan.shared:
         members = run.members
         m = len(members)
         # every member's queries against the run at once: [1, KVH, m * G, D] over [1, KVH, P, D]
         stacked = queries.index_select(0, members).transpose(0, 1).reshape(1, num_kv_heads, m * group, head_dim)
-        run_keys, run_values = gather(kv_cache, run.blocks)
-        run_keys, run_values = run_keys.transpose(0, 1)[None], run_values.transpose(0, 1)[None]
-        run_out, run_lse = attention_with_lse(stacked, run_keys, run_values, None, scale)
+        if kernel is not None and m * group <= NATIVE_RUN_ROWS:
+            run_lens = torch.tensor([run.blocks.numel() * kv_cache.shape[2]])
+            run_out, run_lse = kernel(stacked, kv_cache, run.blocks[None], run_lens, scale)
+        else:
+            run_keys, run_values = gather(kv_cache, run.blocks)
+            run_keys, run_values = run_keys.transpose(0, 1)[None], run_values.transpose(0, 1)[None]
+            run_out, run_lse = attention_with_lse(stacked, run_keys, run_values, None, scale)
         run_out = run_out.view(num_kv_heads, m, group, head_dim).transpose(0, 1).float()
         run_lse = run_lse.view(num_kv_heads, m, group).transpose(0, 1)
         own_out, own_lse = out.index_select(0, members).float(), lse.index_select(0, members)
