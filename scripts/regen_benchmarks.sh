@@ -50,7 +50,9 @@ minutes=$(( ($(date +%s) - start + 59) / 60 ))
   1024, 2048) and read bandwidth (sum over 1 GiB). Ideal prefill tokens/s = peak / FLOPs per token (2 x body
   parameters + attention + one LM-head row per prompt); ideal decode steps/s = bandwidth / bytes read per step
   (every weight once + the KV of every sequence). A workload's ideal time computes only tokens no earlier
-  request computed, at the matmul peak, and decodes each round as one batch at the limit.
+  request computed, at the matmul peak, and decodes each round as one batch at the limit. The single-request
+  prefill and decode figures ("prefixserve against the limits") are set against the peak and the bandwidth
+  measured again between their own rounds, best of each: on this machine both drift 10-30 % within minutes.
 - **Peak RSS** is the process's resident high-water mark during the run (reset through
   `/proc/self/clear_refs`); it includes the weights and, for prefixserve, its preallocated KV pool.
 - The machine is a shared 2-vCPU VM: expect run-to-run drift of 10-20 %; compare ratios within one run.

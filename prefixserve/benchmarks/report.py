@@ -72,7 +72,7 @@ def _roofline_md(roof: dict) -> list[str]:
     p, d, w = roof["prefill"], roof["decode_b1"], roof["warm_ttft"]
     return ["## prefixserve against the limits", "", "| measurement | measured | ideal | fraction |", "|---|---|---|---|",
             f"| prefill, {p['tokens']}-token prompt | {p['tokens_per_s']:.0f} tok/s | {p['ideal_tokens_per_s']:.0f} "
-            f"tok/s | {p['fraction']:.0%} |",
+            f"tok/s (at {p['matmul_flops'] / 1e9:.0f} GFLOP/s, measured between its rounds) | {p['fraction']:.0%} |",
             f"| batch-1 decode | {d['steps_per_s']:.2f} steps/s | {d['ideal_steps_per_s']:.2f} steps/s "
             f"(at {d['bandwidth_bytes'] / 1e9:.1f} GB/s, measured between its rounds) | {d['fraction']:.0%} |",
             f"| TTFT, {w['prefix_tokens']} cached + {w['suffix_tokens']} new tokens | {w['warm_ttft_s'] * 1000:.0f} ms "

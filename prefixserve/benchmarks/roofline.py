@@ -1,9 +1,10 @@
 """prefixserve's single-request speeds, each set against the machine's limit for it.
 
 prefill: one 512-token prompt, nothing cached, timed to its first token.
-decode: one sequence, time per output token after the first; the memory bandwidth
-it is set against is measured between its rounds, best of each, because on a
-shared machine the bandwidth of a minute earlier says little (16-24 GB/s swings).
+decode: one sequence, time per output token after the first.
+The matmul peak and the memory bandwidth these are set against are measured
+between their rounds, best of each, because on a shared machine the limits of
+some minutes earlier say little (peaks of 108-148 GFLOP/s and 16-24 GB/s seen).
 warm TTFT: a long prefix already cached plus a new 32-token suffix, against
 the first-token time of a prompt made of that suffix alone (what computing only
 the uncached tokens costs).
@@ -15,9 +16,11 @@ import statistics
 import time
 from dataclasses import replace
 
+import torch
+
 from prefixserve import LLMEngine, SamplingParams
 from prefixserve.benchmarks.limits import MachineLimits, ModelCost, bandwidth_buffer, ideal_decode_steps_per_s, \
-    ideal_prefill_tokens_per_s, measure_bandwidth
+    ideal_prefill_tokens_per_s, measure_bandwidth, measure_matmul
 from prefixserve.benchmarks.workloads import TOKEN_HIGH, TOKEN_LOW
 
 _ids = iter(range(1 << 62))
@@ -47,9 +50,14 @@ def measure_roofline(engine: LLMEngine, cost: ModelCost, limits: MachineLimits, 
     prefill_len, decode_tokens, doc_len, suffix_len = (512, 9, 512, 32) if quick else (512, 33, 1024, 32)
 
     time_request(engine, _tokens(rng, 64), 2)  # warm-up: first-call allocations are not steady state
-    prefill_s = min(time_request(engine, _tokens(rng, prefill_len), 1)[0] for _ in range(repeat))
-    prefill_rate = prefill_len / prefill_s
-    prefill_ideal = ideal_prefill_tokens_per_s(cost, limits, prefill_len)
+    prefill_times, peaks = [], []
+    dtype = getattr(torch, limits.dtype)
+    for _ in range(repeat):
+        peaks.append(max(measure_matmul(dtype, tuple(limits.matmul_by_size), repeat=2).values()))
+        prefill_times.append(time_request(engine, _tokens(rng, prefill_len), 1)[0])
+    prefill_rate = prefill_len / min(prefill_times)
+    prefill_limits = replace(limits, matmul_flops=max(peaks))
+    prefill_ideal = ideal_prefill_tokens_per_s(cost, prefill_limits, prefill_len)
 
     per_token, bandwidths = [], []
     buf = bandwidth_buffer(quick)
@@ -68,7 +76,7 @@ def measure_roofline(engine: LLMEngine, cost: ModelCost, limits: MachineLimits, 
     suffix_only = statistics.median(time_request(engine, _tokens(rng, suffix_len), 1)[0] for _ in range(repeat))
     return {
         "prefill": {"tokens": prefill_len, "tokens_per_s": prefill_rate, "ideal_tokens_per_s": prefill_ideal,
-                    "fraction": prefill_rate / prefill_ideal},
+                    "matmul_flops": prefill_limits.matmul_flops, "fraction": prefill_rate / prefill_ideal},
         "decode_b1": {"steps_per_s": decode_rate, "ideal_steps_per_s": decode_ideal,
                       "bandwidth_bytes": decode_limits.bandwidth_bytes, "fraction": decode_rate / decode_ideal},
         "warm_ttft": {"prefix_tokens": doc_len, "suffix_tokens": suffix_len, "warm_ttft_s": warm,

@@ -70,11 +70,18 @@ def load_library(name: str, cc: str | None, out_dir: Path) -> ctypes.CDLL | None
     if cc is None:
         logger.warning("no C compiler found: %s falls back to torch (slower)", name)
         return None
-    try:
-        return ctypes.CDLL(str(build(name, cc, out_dir)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("%s kernel unavailable, falling back to torch: %s", name, exc)
-        return None
+    # a read-only home (some containers) must not cost the kernels: build in a private temp folder instead
+    fallback = Path(tempfile.gettempdir()) / f"prefixserve-kernels-{os.getuid()}"
+    for folder in (out_dir, fallback):
+        try:
+            return ctypes.CDLL(str(build(name, cc, folder)))
+        except PermissionError as exc:
+            logger.info("cannot build %s in %s (%s)", name, folder, exc)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            logger.warning("%s kernel unavailable, falling back to torch: %s", name, exc)
+            return None
+    logger.warning("%s kernel unavailable, falling back to torch: no writable folder to build in", name)
+    return None
 
 
 def load_kernel(name: str, cc: str | None, out_dir: Path, wrap: Callable[[ctypes.CDLL], K],
