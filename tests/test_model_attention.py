@@ -14,7 +14,7 @@ from prefixserve.model.attention.backend import AttentionBackend, get_attention_
 from prefixserve.model.attention.metadata import AttentionMetadata
 from prefixserve.model.attention.torch_paged import TorchPagedAttention, attention_with_lse, \
     reference_attention_with_lse
-from prefixserve.model.native.build import compiler
+from prefixserve.model.native.build import buildable
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 8
 BLOCK_SIZE, NUM_BLOCKS = 4, 40
@@ -40,7 +40,7 @@ def backend(request) -> AttentionBackend:
         return TorchPagedAttention(use_native=False)
     built = TorchPagedAttention(use_native=True)
     if built._decode_kernel is None:
-        if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and compiler() is not None:
+        if buildable():
             pytest.fail("the paged decode kernel must build on a machine with AVX2 and a C compiler")
         pytest.skip("needs an x86 CPU with AVX2 and a C compiler")
     return built

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixserve.model.native.build import compiler
+from prefixserve.model.native.build import buildable, compiler
 from prefixserve.model.native.paged_decode_attention import PagedDecodeAttention, load
 
-BUILDABLE = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and compiler() is not None
+BUILDABLE = buildable()
 
 
 @pytest.fixture(scope="module")

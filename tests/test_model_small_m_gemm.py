@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from prefixserve.model.linear import linear
-from prefixserve.model.native.build import build, compiler
+from prefixserve.model.native.build import build, buildable, compiler, cpu_supported
 from prefixserve.model.native.small_m_gemm import MAX_ROWS, SmallMGemm, default_kernel, load
 
-BUILDABLE = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and compiler() is not None
+BUILDABLE = buildable()
 needs_kernel = pytest.mark.skipif(not BUILDABLE, reason="needs an x86 CPU with AVX2 and a C compiler")
 
 
@@ -102,7 +102,7 @@ def test_a_broken_compiler_means_no_kernel_not_an_error(tmp_path) -> None:
     false = shutil.which("false")
     if false is None:
         pytest.skip("no `false` executable to stand in for a broken compiler")
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if not cpu_supported():
         assert load(false, tmp_path) is None  # not even tried
         return
     assert load(false, tmp_path) is None

@@ -34,10 +34,19 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+def cpu_supported() -> bool:
+    """This CPU runs AVX2 + FMA code (the kernels' only instruction-set requirement)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def buildable() -> bool:
+    """The kernels can be built and run here: a supported CPU and a C compiler."""
+    return cpu_supported() and compiler() is not None
+
+
 def enabled() -> bool:
     """This CPU can run the kernels and the user has not turned them off."""
-    return (os.environ.get("PREFIXSERVE_NATIVE_KERNELS", "1") != "0"
-            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+    return os.environ.get("PREFIXSERVE_NATIVE_KERNELS", "1") != "0" and cpu_supported()
 
 
 def build(name: str, cc: str, out_dir: Path) -> Path:
@@ -87,7 +96,7 @@ def load_library(name: str, cc: str | None, out_dir: Path) -> ctypes.CDLL | None
 def load_kernel(name: str, cc: str | None, out_dir: Path, wrap: Callable[[ctypes.CDLL], K],
                 probe: Callable[[K], bool]) -> K | None:
     """Build, load and wrap kernel `name`, and check it against torch with `probe`; None where any step fails."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if not cpu_supported():
         return None
     library = load_library(name, cc, out_dir)
     if library is None:
