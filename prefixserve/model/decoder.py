@@ -15,7 +15,7 @@ from torch import nn
 from prefixserve.model.attention.backend import AttentionBackend, get_attention_backend
 from prefixserve.model.attention.metadata import AttentionMetadata
 from prefixserve.model.config import ModelConfig
-from prefixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, empty_parameter
+from prefixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, empty_parameter, fused_kernel
 from prefixserve.model.linear import linear
 
 
@@ -46,14 +46,20 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = linear(x, self.qkv_proj, self.qkv_bias).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)
+        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
+        q_weight, k_weight = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        kernel = fused_kernel(qkv, q_weight, k_weight, cos, sin, multiple=self.head_dim // 2)
+        if kernel is not None and self.head_dim % 16 == 0:
+            eps = 0.0 if self.q_norm is None else self.q_norm.eps
+            q, k = kernel.qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                       q_weight, k_weight, eps, cos, sin)
+        else:
+            q = qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size: self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return linear(out.view(tokens, self.q_size), self.o_proj, self.o_bias)
 
@@ -68,10 +74,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the caller adds the two, in the next
+        layer's input norm, so each residual add and the norm after it are one pass."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_norm(x, residual)
+        h, residual = self.post_attention_layernorm.add_norm(
+            self.self_attn(h, cos, sin, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -105,9 +118,10 @@ class CausalLM(nn.Module):
                              "must be equal-length 1-D tensors")
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, attn_metadata)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+        return self.norm(x) if residual is None else self.norm.add_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the given rows only (the caller selects the rows to sample)."""

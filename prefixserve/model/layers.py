@@ -13,6 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixserve.model.linear import linear
+from prefixserve.model.native.fused_pointwise import FusedPointwise, default_kernel
+
+
+def fused_kernel(*tensors: torch.Tensor | None, multiple: int = 8) -> FusedPointwise | None:
+    """The fused pointwise kernels where they can take these operands (and nothing needs gradients)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return None
+    kernel = default_kernel()
+    return kernel if kernel is not None and FusedPointwise.supports(*tensors, multiple=multiple) else None
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -28,6 +37,8 @@ class RMSNorm(nn.Module):
         self.weight = empty_parameter(dim, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_contiguous() and (kernel := fused_kernel(x, self.weight)) is not None:
+            return kernel.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Low precision: normalise in float32 and round once before the weight, the
@@ -35,6 +46,15 @@ class RMSNorm(nn.Module):
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the pre-norm block's residual stream and its normed input.
+        The sum may be written into `residual` in place: callers hand over the tensor and use the one returned."""
+        if (x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape
+                and (kernel := fused_kernel(x, residual, self.weight)) is not None):
+            return kernel.rms_norm(x, self.weight, self.eps, residual=residual), residual
+        residual = residual + x
+        return self(residual), residual
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -100,5 +120,8 @@ class GatedMLP(nn.Module):
         self.down_proj = empty_parameter(hidden_size, intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        gate_up = linear(x, self.gate_up_proj)
+        if gate_up.dim() == 2 and gate_up.is_contiguous() and (kernel := fused_kernel(gate_up, multiple=16)):
+            return linear(kernel.silu_and_mul(gate_up), self.down_proj)
+        gate, up = gate_up.chunk(2, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj)

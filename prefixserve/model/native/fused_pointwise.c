@@ -1,0 +1,133 @@
+/* The pointwise work of a decoder layer, fused into one pass over memory each, float32, AVX2 + FMA.
+ *
+ * Between its GEMMs a layer normalises, rotates and gates activations of a few MB. In
+ * torch each of those is several elementwise operators, each reading and writing the
+ * whole tensor into a fresh allocation: rotary embedding alone is seven passes over q.
+ * Here each is one read and one write.
+ *
+ *   add_rms_norm:  residual += delta (when delta is given); out = residual / rms(residual) * weight
+ *   qk_norm_rope:  q and k heads read out of the fused qkv projection, each optionally
+ *                  RMS-normed over the head and rotated (HF "rotate_half" layout), written contiguous
+ *   silu_and_mul:  out = silu(gate) * up, gate and up the two halves of each row of the fused projection
+ *
+ * Rows are split among `threads` OpenMP threads; a call too small to pay for waking them runs on one.
+ */
+#include <immintrin.h>
+#include <math.h>
+
+#define PARALLEL_MIN_FLOATS 16384
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+
+/* e^x for x in [-87.3, 88.3] (clamped outside): 2^n * e^r with |r| <= ln2 / 2 and a degree-6 Taylor
+ * polynomial for e^r, relative error ~1.2e-7 */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* ln 2 split in two so r keeps its low bits */
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+/* 1 / rms of n floats (n % 8 == 0) */
+static inline float inv_rms(const float* x, long n, float eps) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 u = _mm256_loadu_ps(x + i), w = _mm256_loadu_ps(x + i + 8);
+        a0 = _mm256_fmadd_ps(u, u, a0);
+        a1 = _mm256_fmadd_ps(w, w, a1);
+    }
+    for (; i < n; i += 8) {
+        __m256 u = _mm256_loadu_ps(x + i);
+        a0 = _mm256_fmadd_ps(u, u, a0);
+    }
+    return 1.0f / sqrtf(hsum(_mm256_add_ps(a0, a1)) / (float)n + eps);
+}
+
+/* residual, out: [rows, n] (row strides n); delta may be NULL. n % 8 == 0. */
+void add_rms_norm(float* residual, const float* delta, const float* weight, float eps, float* out,
+                  long rows, long n, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= PARALLEL_MIN_FLOATS)
+    for (long t = 0; t < rows; t++) {
+        float* x = residual + t * n;
+        if (delta != 0) {
+            const float* d = delta + t * n;
+            for (long i = 0; i < n; i += 8)
+                _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(d + i)));
+        }
+        __m256 r = _mm256_set1_ps(inv_rms(x, n, eps));
+        float* y = out + t * n;
+        for (long i = 0; i < n; i += 8)
+            _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), r),
+                                                  _mm256_loadu_ps(weight + i)));
+    }
+}
+
+/* One head: dst = rotate(src * (weight / rms(src)) or src), cos/sin: [d / 2]. d % 16 == 0. */
+static inline void norm_rotate(const float* src, float* dst, const float* weight, float eps,
+                               const float* cos, const float* sin, long d) {
+    const long half = d / 2;
+    __m256 r = _mm256_set1_ps(weight != 0 ? inv_rms(src, d, eps) : 1.0f);
+    for (long i = 0; i < half; i += 8) {
+        __m256 x1 = _mm256_mul_ps(_mm256_loadu_ps(src + i), r);
+        __m256 x2 = _mm256_mul_ps(_mm256_loadu_ps(src + half + i), r);
+        if (weight != 0) {
+            x1 = _mm256_mul_ps(x1, _mm256_loadu_ps(weight + i));
+            x2 = _mm256_mul_ps(x2, _mm256_loadu_ps(weight + half + i));
+        }
+        __m256 c = _mm256_loadu_ps(cos + i), s = _mm256_loadu_ps(sin + i);
+        _mm256_storeu_ps(dst + i, _mm256_fmsub_ps(x1, c, _mm256_mul_ps(x2, s)));
+        _mm256_storeu_ps(dst + half + i, _mm256_fmadd_ps(x2, c, _mm256_mul_ps(x1, s)));
+    }
+}
+
+/* qkv: [rows, row_stride], q heads at column 0, k heads right after them;
+ * q_out: [rows, q_heads, d], k_out: [rows, k_heads, d]; cos, sin: [rows, d / 2];
+ * q_weight, k_weight: [d] or both NULL (no per-head norm). d % 16 == 0. */
+void qk_norm_rope(const float* qkv, long row_stride, long q_heads, long k_heads, long d,
+                  const float* q_weight, const float* k_weight, float eps, const float* cos, const float* sin,
+                  float* q_out, float* k_out, long rows, int threads) {
+    const long heads = q_heads + k_heads;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads * d >= PARALLEL_MIN_FLOATS)
+    for (long t = 0; t < rows; t++) {
+        const float* src = qkv + t * row_stride;
+        const float* c = cos + t * (d / 2);
+        const float* s = sin + t * (d / 2);
+        for (long h = 0; h < q_heads; h++)
+            norm_rotate(src + h * d, q_out + (t * q_heads + h) * d, q_weight, eps, c, s, d);
+        for (long h = 0; h < k_heads; h++)
+            norm_rotate(src + (q_heads + h) * d, k_out + (t * k_heads + h) * d, k_weight, eps, c, s, d);
+    }
+}
+
+/* gate_up: [rows, 2 n] (gate then up), out: [rows, n]. n % 8 == 0. */
+void silu_and_mul(const float* gate_up, float* out, long rows, long n, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= PARALLEL_MIN_FLOATS)
+    for (long t = 0; t < rows; t++) {
+        const float* g = gate_up + t * 2 * n;
+        const float* u = g + n;
+        float* y = out + t * n;
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (long i = 0; i < n; i += 8) {
+            __m256 x = _mm256_loadu_ps(g + i);
+            __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+            _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+        }
+    }
+}

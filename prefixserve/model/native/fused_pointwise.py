@@ -1,0 +1,107 @@
+"""The decoder layer's pointwise work in one pass each (`fused_pointwise.c`): residual add + RMSNorm,
+per-head q/k norm + rotary embedding, SiLU-gated product.
+
+Used by `model/layers.py` and `model/decoder.py` for float32 CPU tensors; the torch
+operators they replace take several passes over memory each (rotary embedding: seven).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from prefixserve.model.native.build import cache_dir, compiler, enabled, load_kernel
+
+_float_p, _long, _int, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class FusedPointwise:
+    """The loaded kernels. Operands must pass `supports` (float32, CPU, contiguous rows of whole vectors)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._add_rms_norm = library.add_rms_norm
+        self._add_rms_norm.argtypes = [_float_p, _float_p, _float_p, _float, _float_p, _long, _long, _int]
+        self._qk_norm_rope = library.qk_norm_rope
+        self._qk_norm_rope.argtypes = ([_float_p, _long, _long, _long, _long, _float_p, _float_p, _float,
+                                        _float_p, _float_p, _float_p, _float_p, _long, _int])
+        self._silu_and_mul = library.silu_and_mul
+        self._silu_and_mul.argtypes = [_float_p, _float_p, _long, _long, _int]
+        for fn in (self._add_rms_norm, self._qk_norm_rope, self._silu_and_mul):
+            fn.restype = None
+
+    @staticmethod
+    def supports(*tensors: torch.Tensor | None, multiple: int = 8) -> bool:
+        """Every tensor given is float32 on the CPU with contiguous rows whose width is a multiple of `multiple`."""
+        return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() >= 1
+                                 and t.stride(-1) == 1 and t.shape[-1] % multiple == 0) for t in tensors)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x / rms(x) * weight over the last dimension; with `residual`, x is first added into it in place
+        and the sum is normed."""
+        n = weight.numel()
+        if x.shape[-1] != n or not x.is_contiguous() or not weight.is_contiguous():
+            raise ValueError(f"rms_norm: x {tuple(x.shape)} must be contiguous with last dimension {n}")
+        target = x if residual is None else residual
+        if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
+            raise ValueError(f"rms_norm: residual {tuple(residual.shape)} must be contiguous, shaped like x")
+        out = torch.empty_like(x)
+        self._add_rms_norm(target.data_ptr(), _ptr(None if residual is None else x), weight.data_ptr(), eps,
+                           out.data_ptr(), x.numel() // n, n, torch.get_num_threads())
+        return out
+
+    def qk_norm_rope(self, qkv: torch.Tensor, q_heads: int, k_heads: int, head_dim: int,
+                     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                     cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, q_heads, D] and k [T, k_heads, D], contiguous, from the leading columns of qkv [T, >= (q+k) D]:
+        each head RMS-normed (when weights are given) and rotated by cos/sin [T, D / 2] (any view of those)."""
+        tokens = qkv.shape[0]
+        half = head_dim // 2
+        if (qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] < (q_heads + k_heads) * head_dim
+                or head_dim % 16 or (q_weight is None) != (k_weight is None)):
+            raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)} does not hold {q_heads} + {k_heads} heads "
+                             f"of {head_dim} (a multiple of 16) in contiguous rows")
+        cos, sin = cos.reshape(tokens, half).contiguous(), sin.reshape(tokens, half).contiguous()
+        q = qkv.new_empty(tokens, q_heads, head_dim)
+        k = qkv.new_empty(tokens, k_heads, head_dim)
+        self._qk_norm_rope(qkv.data_ptr(), qkv.stride(0), q_heads, k_heads, head_dim, _ptr(q_weight),
+                           _ptr(k_weight), eps, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
+                           tokens, torch.get_num_threads())
+        return q, k
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up [T, 2 I] holding gate then up in each row: [T, I]."""
+        if gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 16:
+            raise ValueError(f"silu_and_mul: gate_up {tuple(gate_up.shape)} must be contiguous [T, 2 I], I % 8 == 0")
+        tokens, width = gate_up.shape
+        out = gate_up.new_empty(tokens, width // 2)
+        self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), tokens, width // 2, torch.get_num_threads())
+        return out
+
+
+def _agrees_with_torch(kernel: FusedPointwise) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    x, residual, w = torch.randn(3, 16, generator=gen), torch.randn(3, 16, generator=gen), torch.randn(16, generator=gen)
+    want_residual = x + residual
+    normed = kernel.rms_norm(x, w, 1e-6, residual.clone())
+    gate_up = torch.randn(3, 32, generator=gen) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (torch.allclose(normed, torch.nn.functional.rms_norm(want_residual, (16,), w, 1e-6), atol=1e-5)
+            and torch.allclose(kernel.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5))
+
+
+def load(cc: str | None, out_dir: Path) -> FusedPointwise | None:
+    """Build and load the kernels, checked against torch on a probe; None where they cannot be used."""
+    return load_kernel("fused_pointwise", cc, out_dir, FusedPointwise, _agrees_with_torch)
+
+
+@functools.cache
+def default_kernel() -> FusedPointwise | None:
+    """The process's kernels, built on first use; None where unavailable or turned off."""
+    return load(compiler(), cache_dir()) if enabled() else None
