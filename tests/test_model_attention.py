@@ -33,15 +33,16 @@ def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return out
 
 
-@pytest.fixture(params=["native decode", "gather decode"])
+@pytest.fixture(params=["native", "torch"])
 def backend(request) -> AttentionBackend:
-    """The torch backend with decode read straight from the pool by the C kernel, and without it."""
-    if request.param == "gather decode":
+    """The torch backend with prefill chunks and decode read straight from the pool by the C kernels,
+    and without them (gather + SDPA)."""
+    if request.param == "torch":
         return TorchPagedAttention(use_native=False)
     built = TorchPagedAttention(use_native=True)
-    if built._decode_kernel is None:
+    if built._decode_kernel is None or built._prefill_kernel is None:
         if buildable():
-            pytest.fail("the paged decode kernel must build on a machine with AVX2 and a C compiler")
+            pytest.fail("the paged attention kernels must build on a machine with AVX2 and a C compiler")
         pytest.skip("needs an x86 CPU with AVX2 and a C compiler")
     return built
 
@@ -67,11 +68,12 @@ class Scenario:
     def run(self, plan: list[tuple[int, int]]) -> AttentionMetadata:
         """One backend call over (sequence, new tokens) pairs, checked against the reference."""
         total = sum(n for _, n in plan)
-        q = torch.randn(total, HEADS, HEAD_DIM, generator=self.generator)
-        # k/v as strided column views of one wider tensor, the way the model's fused qkv produces them
-        fused = torch.randn(total, 2 * KV_HEADS * HEAD_DIM + 3, generator=self.generator)
-        k = fused[:, : KV_HEADS * HEAD_DIM].view(total, KV_HEADS, HEAD_DIM)
-        v = fused[:, KV_HEADS * HEAD_DIM: 2 * KV_HEADS * HEAD_DIM].view(total, KV_HEADS, HEAD_DIM)
+        # q/k/v as strided column views of one wider tensor, the way the model's fused qkv produces them
+        q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+        fused = torch.randn(total, q_size + 2 * kv_size + 3, generator=self.generator)
+        q = fused[:, :q_size].view(total, HEADS, HEAD_DIM)
+        k = fused[:, q_size: q_size + kv_size].view(total, KV_HEADS, HEAD_DIM)
+        v = fused[:, q_size + kv_size: q_size + 2 * kv_size].view(total, KV_HEADS, HEAD_DIM)
         query_lens, seq_lens, tables = [], [], []
         start = 0
         for seq, count in plan:

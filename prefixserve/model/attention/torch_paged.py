@@ -1,9 +1,13 @@
-"""Paged attention in plain PyTorch ops, for CPU (and as a reference for faster backends).
+"""Paged attention in PyTorch ops and the project's CPU kernels (and a reference for faster backends).
 
-Writes go through one index_copy_ per pool. Reads: a prefill chunk gathers its
-sequence's blocks and runs one SDPA call; every decode token of the step
-(query length 1) is answered together, reading each run of blocks shared by
-several sequences once (see cascade.py) and the rest through one padded gather.
+Writes go through one index_copy_ per pool. Reads: every chunk of more than one
+query token in the step (fresh prompts and chunks continuing a cached context)
+is answered by one call of the native prefill kernel, which reads K/V straight
+from the pool (`native/paged_prefill_attention.c`); without it, each chunk
+gathers its sequence's blocks and runs one SDPA call. Every decode token of the
+step (query length 1) is answered together, reading each run of blocks shared
+by several sequences once (see cascade.py) and the rest through the native
+decode kernel or one padded gather.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import torch.nn.functional as F
 from prefixserve.model.attention.backend import AttentionBackend
 from prefixserve.model.attention.cascade import DecodePlan
 from prefixserve.model.attention.metadata import AttentionMetadata
+from prefixserve.model.native import paged_prefill_attention
 from prefixserve.model.native.paged_decode_attention import PagedDecodeAttention, default_kernel
 
 
@@ -23,7 +28,7 @@ NATIVE_RUN_ROWS = 16
 
 
 class GatherBuffer:
-    """A reused destination for K/V read through block tables.
+    """A reused destination for K/V read through block tables (and the prefill kernel's scratch).
 
     A fresh tensor of tens of MB per layer costs more in page faults than the copy
     itself (gathering 71 MB: 46 ms into a new tensor, 7 ms into a reused one), so
@@ -34,16 +39,21 @@ class GatherBuffer:
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
 
+    def flat(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """At least `numel` elements of scratch, 1-D, valid until the next call."""
+        buf = self._buffer
+        if buf is None or buf.dtype != dtype or buf.device != device:
+            buf = None
+        if buf is None or buf.numel() < numel:
+            size = max(numel, 3 * buf.numel() // 2 if buf is not None else 0)
+            buf = self._buffer = torch.empty(size, dtype=dtype, device=device)
+        return buf
+
     def __call__(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `blocks`, each [len(blocks) * block_size, KVH, D], valid until the next call."""
         block_shape = kv_cache.shape[2:]
         per_pool = blocks.numel() * block_shape.numel()
-        buf = self._buffer
-        if buf is None or buf.dtype != kv_cache.dtype or buf.device != kv_cache.device:
-            buf = None
-        if buf is None or buf.numel() < 2 * per_pool:
-            size = max(2 * per_pool, 3 * buf.numel() // 2 if buf is not None else 0)
-            buf = self._buffer = torch.empty(size, dtype=kv_cache.dtype, device=kv_cache.device)
+        buf = self.flat(2 * per_pool, kv_cache.dtype, kv_cache.device)
         keys = buf[:per_pool].view(blocks.numel(), *block_shape)
         values = buf[per_pool: 2 * per_pool].view(blocks.numel(), *block_shape)
         torch.index_select(kv_cache[0], 0, blocks, out=keys)
@@ -56,8 +66,9 @@ class TorchPagedAttention(AttentionBackend):
 
     def __init__(self, use_native: bool = True) -> None:
         self._gather = GatherBuffer()
-        # decode reads K/V straight from the pool where the native kernel is available
+        # prefill chunks and decode read K/V straight from the pool where the native kernels are available
         self._decode_kernel = default_kernel() if use_native else None
+        self._prefill_kernel = paged_prefill_attention.default_kernel() if use_native else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -68,6 +79,30 @@ class TorchPagedAttention(AttentionBackend):
         v_pool.index_copy_(0, meta.slot_mapping, v)
 
         out = q.new_empty(q.shape)
+        if any(n > 1 for n in meta.query_lens_cpu):
+            kernel = self._prefill_kernel
+            if kernel is not None and kernel.supports(q, kv_cache):
+                # every chunk of the step in one call, K/V read from the pool (its own already written there)
+                kernel(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, out=out,
+                       min_query_len=2, scratch=lambda n: self._gather.flat(n, torch.float32, q.device))
+            else:
+                self._prefill(q, k, v, kv_cache, meta, scale, out)
+        plan = meta.decode_plan
+        if plan is not None:
+            kernel = self._decode_kernel
+            if kernel is not None and not kernel.supports(q, kv_cache):
+                kernel = None
+            result = _decode(q if plan.all_rows else q.index_select(0, plan.rows), kv_cache, plan, scale,
+                             self._gather, kernel)
+            if plan.all_rows:
+                out.copy_(result)
+            else:
+                out.index_copy_(0, plan.rows, result)
+        return out
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """The chunks of more than one query token, one SDPA call each, into their rows of out."""
         start = 0
         for s, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             if q_len > 1:
@@ -83,18 +118,6 @@ class TorchPagedAttention(AttentionBackend):
                     visible = visible.tril(diagonal=seq_len - q_len)
                     out[rows] = _attend(q[rows], keys, values, visible, scale)
             start += q_len
-        plan = meta.decode_plan
-        if plan is not None:
-            kernel = self._decode_kernel
-            if kernel is not None and not kernel.supports(q, kv_cache):
-                kernel = None
-            result = _decode(q if plan.all_rows else q.index_select(0, plan.rows), kv_cache, plan, scale,
-                             self._gather, kernel)
-            if plan.all_rows:
-                out.copy_(result)
-            else:
-                out.index_copy_(0, plan.rows, result)
-        return out
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: float,

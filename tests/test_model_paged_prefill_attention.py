@@ -1,0 +1,223 @@
+"""The paged prefill-attention kernel against float64 softmax attention with a causal mask built from positions."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from prefixserve.model.attention.metadata import AttentionMetadata
+from prefixserve.model.attention.torch_paged import TorchPagedAttention
+from prefixserve.model.native import paged_prefill_attention
+from prefixserve.model.native.build import buildable, compiler
+from prefixserve.model.native.paged_prefill_attention import PagedPrefillAttention, _agrees_with_torch, load
+
+BUILDABLE = buildable()
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory) -> PagedPrefillAttention:
+    if not BUILDABLE:
+        pytest.skip("needs an x86 CPU with AVX2 and a C compiler")
+    built = load(compiler(), tmp_path_factory.mktemp("kernels"))
+    assert built is not None
+    return built
+
+
+def reference(q, pool, starts, lens, tables, scale):
+    """Each sequence's queries, at the last positions of its context, over the keys at or before them."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    heads, kv_heads = q.shape[1], pool.shape[3]
+    for b in range(len(lens)):
+        first, end, length = int(starts[b]), int(starts[b + 1]), int(lens[b])
+        n = end - first
+        if n == 0:
+            continue
+        # query head j reads KV head j // group
+        keys = pool[0][tables[b]].flatten(0, 1)[:length].double().repeat_interleave(heads // kv_heads, dim=1)
+        values = pool[1][tables[b]].flatten(0, 1)[:length].double().repeat_interleave(heads // kv_heads, dim=1)
+        positions = torch.arange(length - n, length)
+        hidden = torch.arange(length)[None, :] > positions[:, None]                       # [n, length]
+        scores = torch.einsum("qhd,khd->hqk", q[first:end].double(), keys) * scale
+        weights = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+        out[first:end] = torch.einsum("hqk,khd->qhd", weights, values)
+    return out
+
+
+class Case:
+    """Sequences with the given (query length, cached length) in one pool of randomly placed blocks."""
+
+    def __init__(self, seed: int, chunks: list[tuple[int, int]], block_size: int, head_dim: int, group: int,
+                 kv_heads: int = 2, spare_rows: int = 3) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.lens = torch.tensor([n + cached for n, cached in chunks])
+        width = max(-(-int(length) // block_size) for length in self.lens) + 1   # a padding column
+        num_blocks = width * len(chunks) + 5
+        self.pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen) * 2
+        self.tables = torch.randperm(num_blocks, generator=gen)[: width * len(chunks)].view(len(chunks), width)
+        self.starts = torch.tensor([0] + [n for n, _ in chunks]).cumsum(0)
+        # rows of other sequences (decodes, say) after the chunks: not the kernel's to write
+        self.q = torch.randn(int(self.starts[-1]) + spare_rows, kv_heads * group, head_dim, generator=gen)
+        self.scale = head_dim ** -0.5
+
+    def run(self, kernel: PagedPrefillAttention, **kwargs) -> torch.Tensor:
+        return kernel(self.q, self.pool, self.starts, self.lens, self.tables, self.scale, **kwargs)
+
+    def expected(self) -> torch.Tensor:
+        return reference(self.q, self.pool, self.starts, self.lens, self.tables, self.scale)
+
+
+# fresh prompts (nothing cached) and chunks continuing a cached prefix, lengths cutting through blocks and tiles
+CHUNKS = [(2, 0), (5, 7), (17, 0), (64, 30), (130, 0), (130, 41), (3, 100)]
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_matches_reference(kernel: PagedPrefillAttention, block_size: int, head_dim: int, group: int) -> None:
+    case = Case(block_size * 1000 + head_dim * 10 + group, CHUNKS, block_size, head_dim, group)
+    out = case.run(kernel)
+    torch.testing.assert_close(out.double(), case.expected(), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("head_dim", [24, 136])
+def test_head_dims_not_a_multiple_of_16(kernel: PagedPrefillAttention, head_dim: int) -> None:
+    case = Case(head_dim, [(9, 0), (70, 21)], block_size=4, head_dim=head_dim, group=2)
+    torch.testing.assert_close(case.run(kernel).double(), case.expected(), rtol=0, atol=2e-5)
+
+
+def test_long_chunk_over_a_long_cached_context(kernel: PagedPrefillAttention) -> None:
+    """Several key tiles before the diagonal, several query blocks per head, the model's shape."""
+    case = Case(7, [(300, 700)], block_size=16, head_dim=128, group=2, kv_heads=4)
+    torch.testing.assert_close(case.run(kernel).double(), case.expected(), rtol=0, atol=2e-5)
+
+
+def test_thread_counts_give_identical_results(kernel: PagedPrefillAttention) -> None:
+    """Work items are split differently for different thread counts; every row must come out the same."""
+    case = Case(8, CHUNKS, block_size=5, head_dim=64, group=2)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(case.run(kernel))
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(results[0].double(), case.expected(), rtol=0, atol=2e-5)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_serves_only_chunks_of_min_query_len(kernel: PagedPrefillAttention) -> None:
+    """Single-token and empty sequences are left to decode: their rows of `out` stay as they were."""
+    case = Case(9, [(1, 9), (6, 4), (0, 5), (1, 0), (12, 0)], block_size=4, head_dim=16, group=2)
+    out = torch.full(case.q.shape, 7.0)
+    assert case.run(kernel, out=out, min_query_len=2) is out
+    want = case.expected().float()
+    served = torch.zeros(case.q.shape[0], dtype=torch.bool)
+    served[1:7] = served[8:20] = True
+    torch.testing.assert_close(out[served], want[served], rtol=0, atol=2e-5)
+    assert bool((out[~served] == 7.0).all())
+    # with every sequence served, the single tokens match too
+    torch.testing.assert_close(case.run(kernel).double(), case.expected(), rtol=0, atol=2e-5)
+
+
+def test_strided_queries_and_reused_scratch(kernel: PagedPrefillAttention) -> None:
+    """q as a column view of a fused projection; one scratch buffer serves calls of different sizes."""
+    case = Case(10, [(20, 13), (33, 0)], block_size=16, head_dim=32, group=4)
+    fused = torch.randn(case.q.shape[0], case.q[0].numel() + 40)
+    fused[:, :case.q[0].numel()] = case.q.flatten(1)
+    case.q = fused[:, :case.q[0].numel()].view(case.q.shape)
+    assert not case.q.is_contiguous()
+    buffer = torch.full((100_000,), float("nan"))
+    asked = []
+
+    def scratch(n: int) -> torch.Tensor:
+        asked.append(n)
+        return buffer
+
+    torch.testing.assert_close(case.run(kernel, scratch=scratch).double(), case.expected(), rtol=0, atol=2e-5)
+    small = Case(11, [(5, 2)], block_size=16, head_dim=32, group=4)
+    torch.testing.assert_close(small.run(kernel, scratch=scratch).double(), small.expected(), rtol=0, atol=2e-5)
+    # per sequence and KV head, K and V of its keys rounded up to 16
+    assert asked == [2 * 2 * (48 + 48) * 32, 2 * 2 * 16 * 32]
+
+
+def test_rejects_inconsistent_inputs(kernel: PagedPrefillAttention) -> None:
+    pool = torch.zeros(2, 4, 4, 1, 8)
+    q = torch.zeros(6, 2, 8)
+    with pytest.raises(ValueError, match="past its block table"):
+        kernel(q, pool, torch.tensor([0, 6]), torch.tensor([9]), torch.tensor([[0, 1]]), 1.0)
+    with pytest.raises(ValueError, match="more queries than positions"):
+        kernel(q, pool, torch.tensor([0, 6]), torch.tensor([5]), torch.tensor([[0, 1]]), 1.0)
+    with pytest.raises(ValueError, match="within the rows of q"):
+        kernel(q, pool, torch.tensor([0, 7]), torch.tensor([7]), torch.tensor([[0, 1]]), 1.0)
+    with pytest.raises(ValueError, match="scratch"):
+        kernel(q, pool, torch.tensor([0, 6]), torch.tensor([6]), torch.tensor([[0, 1]]), 1.0,
+               scratch=lambda n: torch.empty(n - 1))
+    with pytest.raises(ValueError, match="within the rows of q"):
+        kernel(q, pool, torch.tensor([3, 2]), torch.tensor([7]), torch.tensor([[0, 1]]), 1.0)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        kernel(torch.zeros(6, 2, 16), pool, torch.tensor([0, 6]), torch.tensor([6]), torch.tensor([[0, 1]]), 1.0)
+
+
+def test_backend_answers_every_chunk_with_one_kernel_call(kernel: PagedPrefillAttention, monkeypatch) -> None:
+    """Two chunks and a decode in one step: one call serves both chunks, the decode rows are left to decode."""
+    calls = []
+
+    class Counting:
+        supports = staticmethod(PagedPrefillAttention.supports)
+
+        def __call__(self, *args, **kwargs):
+            calls.append(kwargs.get("min_query_len"))
+            return kernel(*args, **kwargs)
+
+    backend = TorchPagedAttention(use_native=True)
+    monkeypatch.setattr(backend, "_prefill_kernel", Counting())
+    case = Case(12, [(9, 0), (1, 6), (11, 5)], block_size=4, head_dim=16, group=2, spare_rows=0)
+    k_pool, v_pool = case.pool[0].flatten(0, 1), case.pool[1].flatten(0, 1)
+    meta = AttentionMetadata.build([9, 1, 11], case.lens.tolist(), case.tables.tolist(), 4)
+    # the step's new K/V are the ones already at their slots, so writing them changes nothing
+    out = backend.forward(case.q, k_pool[meta.slot_mapping], v_pool[meta.slot_mapping], case.pool, meta,
+                          case.scale)
+    assert calls == [2]
+    torch.testing.assert_close(out.double(), case.expected(), rtol=0, atol=2e-5)
+
+
+def test_backend_falls_back_to_sdpa_where_the_kernel_does_not_apply() -> None:
+    """A head size the kernel cannot take (not a multiple of 8) goes through the torch path."""
+    backend = TorchPagedAttention(use_native=True)
+    case = Case(13, [(7, 0), (5, 3)], block_size=4, head_dim=12, group=2, spare_rows=0)
+    if backend._prefill_kernel is not None:
+        assert not backend._prefill_kernel.supports(case.q, case.pool)
+    k_pool, v_pool = case.pool[0].flatten(0, 1), case.pool[1].flatten(0, 1)
+    meta = AttentionMetadata.build([7, 5], case.lens.tolist(), case.tables.tolist(), 4)
+    out = backend.forward(case.q, k_pool[meta.slot_mapping], v_pool[meta.slot_mapping], case.pool, meta,
+                          case.scale)
+    torch.testing.assert_close(out.double(), case.expected(), rtol=0, atol=2e-5)
+
+
+def test_probe_rejects_a_wrong_kernel(kernel: PagedPrefillAttention) -> None:
+    class OffByOne:
+        def __call__(self, *args, **kwargs):
+            return kernel(*args, **kwargs) + 1e-3
+
+    assert _agrees_with_torch(kernel)
+    assert not _agrees_with_torch(OffByOne())
+
+
+def test_a_broken_compiler_means_no_kernel_not_an_error(tmp_path) -> None:
+    false = shutil.which("false")
+    if false is None:
+        pytest.skip("no `false` executable to stand in for a broken compiler")
+    assert load(false, tmp_path) is None
+    assert load(None, tmp_path) is None
+
+
+def test_turned_off_by_environment(monkeypatch) -> None:
+    monkeypatch.setenv("PREFIXSERVE_NATIVE_KERNELS", "0")
+    paged_prefill_attention.default_kernel.cache_clear()
+    try:
+        assert paged_prefill_attention.default_kernel() is None
+        assert TorchPagedAttention(use_native=True)._prefill_kernel is None
+    finally:
+        paged_prefill_attention.default_kernel.cache_clear()
