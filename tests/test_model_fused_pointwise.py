@@ -12,20 +12,13 @@ import torch.nn.functional as F
 
 from prefixserve.model import layers
 from prefixserve.model.layers import GatedMLP, RMSNorm
-from prefixserve.model.native.build import buildable, compiler
+from native_kernel_build import build_fresh, needs_kernel
 from prefixserve.model.native.fused_pointwise import FusedPointwise, load
-
-BUILDABLE = buildable()
-needs_kernel = pytest.mark.skipif(not BUILDABLE, reason="needs an x86 CPU with AVX2 and a C compiler")
 
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory) -> FusedPointwise:
-    if not BUILDABLE:
-        pytest.skip("needs an x86 CPU with AVX2 and a C compiler")
-    built = load(compiler(), tmp_path_factory.mktemp("kernels"))
-    assert built is not None
-    return built
+    return build_fresh(load, tmp_path_factory)
 
 
 def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -4,19 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixserve.model.native.build import buildable, compiler
+from native_kernel_build import build_fresh
 from prefixserve.model.native.paged_decode_attention import PagedDecodeAttention, load
-
-BUILDABLE = buildable()
 
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory) -> PagedDecodeAttention:
-    if not BUILDABLE:
-        pytest.skip("needs an x86 CPU with AVX2 and a C compiler")
-    built = load(compiler(), tmp_path_factory.mktemp("kernels"))
-    assert built is not None
-    return built
+    return build_fresh(load, tmp_path_factory)
 
 
 def reference(q, pool, tables, lens, scale):

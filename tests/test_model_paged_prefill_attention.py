@@ -9,19 +9,13 @@ import torch
 from prefixserve.model.attention.metadata import AttentionMetadata
 from prefixserve.model.attention.torch_paged import TorchPagedAttention
 from prefixserve.model.native import paged_prefill_attention
-from prefixserve.model.native.build import buildable, compiler
+from native_kernel_build import build_fresh
 from prefixserve.model.native.paged_prefill_attention import PagedPrefillAttention, _agrees_with_torch, load
-
-BUILDABLE = buildable()
 
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory) -> PagedPrefillAttention:
-    if not BUILDABLE:
-        pytest.skip("needs an x86 CPU with AVX2 and a C compiler")
-    built = load(compiler(), tmp_path_factory.mktemp("kernels"))
-    assert built is not None
-    return built
+    return build_fresh(load, tmp_path_factory)
 
 
 def reference(q, pool, starts, lens, tables, scale):

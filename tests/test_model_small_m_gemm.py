@@ -14,11 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from prefixserve.model.linear import linear
-from prefixserve.model.native.build import build, buildable, compiler, cpu_supported
+from native_kernel_build import build_fresh, needs_kernel
+from prefixserve.model.native.build import build, compiler, cpu_supported
 from prefixserve.model.native.small_m_gemm import MAX_ROWS, SmallMGemm, default_kernel, load
-
-BUILDABLE = buildable()
-needs_kernel = pytest.mark.skipif(not BUILDABLE, reason="needs an x86 CPU with AVX2 and a C compiler")
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -28,11 +26,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch
 
 @pytest.fixture(scope="module")
 def kernel(tmp_path_factory) -> SmallMGemm:
-    if not BUILDABLE:
-        pytest.skip("needs an x86 CPU with AVX2 and a C compiler")
-    built = load(compiler(), tmp_path_factory.mktemp("kernels"))
-    assert built is not None
-    return built
+    return build_fresh(load, tmp_path_factory)
 
 
 @needs_kernel
