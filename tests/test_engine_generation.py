@@ -9,10 +9,9 @@ import random
 
 import pytest
 import torch
+import transformers
 
 from prefixserve import LLM, SamplingParams
-
-transformers = pytest.importorskip("transformers")
 
 
 def hf_greedy(path, prompt: list[int], max_new: int) -> list[int]:
