@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from prefixserve.model.native.build import cache_dir, compiler, enabled, load_kernel
+from prefixserve.model.native.build import load_default, load_kernel
 
 _float_p, _long, _int, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
@@ -104,4 +104,4 @@ def load(cc: str | None, out_dir: Path) -> FusedPointwise | None:
 @functools.cache
 def default_kernel() -> FusedPointwise | None:
     """The process's kernels, built on first use; None where unavailable or turned off."""
-    return load(compiler(), cache_dir()) if enabled() else None
+    return load_default("fused_pointwise", FusedPointwise, _agrees_with_torch)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from prefixserve.model.native.build import cache_dir, compiler, enabled, load_kernel
+from prefixserve.model.native.build import load_default, load_kernel
 
 
 class PagedDecodeAttention:
@@ -70,4 +70,4 @@ def load(cc: str | None, out_dir: Path) -> PagedDecodeAttention | None:
 @functools.cache
 def default_kernel() -> PagedDecodeAttention | None:
     """The process's kernel, built on first use; None where unavailable or turned off."""
-    return load(compiler(), cache_dir()) if enabled() else None
+    return load_default("paged_decode_attention", PagedDecodeAttention, _agrees_with_torch)

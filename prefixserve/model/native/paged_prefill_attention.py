@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from prefixserve.model.native.build import cache_dir, compiler, enabled, load_kernel
+from prefixserve.model.native.build import load_default, load_kernel
 
 
 class PagedPrefillAttention:
@@ -117,4 +117,4 @@ def load(cc: str | None, out_dir: Path) -> PagedPrefillAttention | None:
 @functools.cache
 def default_kernel() -> PagedPrefillAttention | None:
     """The process's kernel, built on first use; None where unavailable or turned off."""
-    return load(compiler(), cache_dir()) if enabled() else None
+    return load_default("paged_prefill_attention", PagedPrefillAttention, _agrees_with_torch)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from prefixserve.model.native.build import cache_dir, compiler, enabled, load_kernel
+from prefixserve.model.native.build import load_default, load_kernel
 
 MAX_ROWS = 32           # beyond this the library GEMM's blocking wins (measured crossover ~32-48 rows)
 K_MULTIPLE = 8          # one AVX2 register of float32
@@ -59,4 +59,4 @@ def load(cc: str | None, out_dir: Path) -> SmallMGemm | None:
 @functools.cache
 def default_kernel() -> SmallMGemm | None:
     """The process's kernel, built on first use; None where unavailable or turned off."""
-    return load(compiler(), cache_dir()) if enabled() else None
+    return load_default("small_m_gemm", SmallMGemm, _agrees_with_torch)
