@@ -2,13 +2,19 @@
 
 Plain data shared by the engine, the scheduler (which needs max_tokens and the
 stop ids) and the sampler, so it imports nothing heavier than the standard
-library. Every value is checked when the object is built, and the error names
-the field, because these values arrive straight from HTTP clients.
+library. Every value is checked when the object is built, and the error
+(an InvalidRequestError) names the field in `param`, because these values
+arrive straight from HTTP clients.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+
+from prefixserve.errors import InvalidRequestError
+
+# Integers reach torch as int64 and native kernels as int32: anything larger is a client mistake.
+MAX_INT = 2**31 - 1
 
 
 @dataclass
@@ -39,7 +45,7 @@ class SamplingParams:
         _check_int("n", self.n, low=1, high=128)
         _check_num("temperature", self.temperature, low=0.0, high=100.0)
         _check_num("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
-        _check_int("top_k", self.top_k, low=-1)
+        _check_int("top_k", self.top_k, low=-1, high=MAX_INT)
         _check_num("min_p", self.min_p, low=0.0, high=1.0)
         _check_num("repetition_penalty", self.repetition_penalty, low=0.0, high=100.0, low_open=True)
         _check_num("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
@@ -47,16 +53,17 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, low=-(2**63), high=2**63 - 1)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, low=1)
-        _check_int("min_tokens", self.min_tokens, low=0)
+            _check_int("max_tokens", self.max_tokens, low=1, high=MAX_INT)
+        _check_int("min_tokens", self.min_tokens, low=0, high=MAX_INT)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+                param="min_tokens")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+                raise InvalidRequestError(f"stop must hold non-empty strings, got {s!r}", param="stop")
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, low=0)
+            _check_int("stop_token_ids", t, low=0, high=MAX_INT)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=20)
 
@@ -72,14 +79,14 @@ class SamplingParams:
 
 def _check_int(name: str, value: object, *, low: int | None = None, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
     if (low is not None and value < low) or (high is not None and value > high):
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+        raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {value}", param=name)
 
 
 def _check_num(name: str, value: object, *, low: float, high: float, low_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise InvalidRequestError(f"{name} must be a number, got {value!r}", param=name)
     if value < low or value > high or (low_open and value == low):
         bracket = "(" if low_open else "["
-        raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value}")
+        raise InvalidRequestError(f"{name} must be in {bracket}{low}, {high}], got {value}", param=name)

@@ -15,9 +15,9 @@ import random
 
 import pytest
 
-from prefixserve.entrypoints.server.cache_control import (CacheControl, CacheControlError,
-                                                          Conversation, Part, PromptRenderer, Tool,
-                                                          Turn, parse_cache_control)
+from prefixserve.errors import CacheControlError
+from prefixserve.prompt import (CacheControl, Conversation, Part, PromptRenderer, Tool, Turn,
+                                parse_cache_control)
 from prefixserve.tokenizer import load_tokenizer
 
 CC = CacheControl()

@@ -6,7 +6,8 @@ import random
 import pytest
 
 from prefixserve.diagnose import lint, load_renderer, read_log
-from prefixserve.diagnose.divergence import ClosestPrefixIndex, common_prefix_len
+from prefixserve.diagnose.divergence import ClosestPrefixIndex
+from prefixserve.prompt import common_prefix_len
 from test_diagnose_logs import RULE_LOGS, clean_log, write_log
 
 

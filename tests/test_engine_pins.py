@@ -77,3 +77,76 @@ def test_pin_beyond_the_cap_is_reported_not_dropped_silently():
     assert out.pins[0].pinned_tokens == 0
     assert out.pins[0].error and "pin" in out.pins[0].error.lower()
     assert engine.stats().blocks_pinned == 0
+
+
+# ------------------------------------------------------------------ cached contents
+
+
+def content(cid: str, tokens: list[int], name=None, owner=None):
+    from prefixserve.engine import CachedContent
+    return CachedContent(cid, name, tokens, None, 0, owner=owner)
+
+
+def create(engine: LLMEngine, cid: str, tokens: list[int], name=None, ttl_s=60.0, owner=None):
+    c = content(cid, tokens, name, owner)
+    out = run(engine, f"prefill-{cid}", tokens, pins=[CachePin(len(tokens), ttl_s, content=c)])
+    return c, out.pins[0]
+
+
+def test_a_content_is_registered_in_the_call_that_pins_it_and_shared_pins_outlive_one_delete():
+    import pytest
+
+    from prefixserve.errors import NotFoundError
+    rng = random.Random(3)
+    doc = [rng.randrange(10, 4000) for _ in range(100)]
+    engine = make_engine(FakeClock())
+    a, ra = create(engine, "cc-a", doc, name="docs")
+    b, rb = create(engine, "cc-b", doc)  # the same tokens: the same blocks, one pin
+    assert ra.error is None and rb.error is None and ra.pin_id == rb.pin_id
+    assert [c.id for c, _ in engine.cached_contents()] == ["cc-a", "cc-b"]
+    assert engine.find_cached_content("docs")[0] is a
+    engine.delete_cached_content("cc-a")
+    # b still holds the shared pin: its blocks stay pinned and it is still found
+    assert engine.stats().blocks_pinned == 100 // BS
+    assert engine.find_cached_content("cc-b")[1].num_tokens == (100 // BS) * BS
+    with pytest.raises(NotFoundError):
+        engine.find_cached_content("docs")
+    engine.delete_cached_content("cc-b")
+    assert engine.stats().blocks_pinned == 0 and engine.cached_contents() == []
+    engine.kv.check_integrity()
+
+
+def test_a_taken_name_refuses_the_content_and_releases_only_its_own_new_pin():
+    rng = random.Random(4)
+    first_doc = [rng.randrange(10, 4000) for _ in range(64)]
+    other_doc = [rng.randrange(10, 4000) for _ in range(64)]
+    engine = make_engine(FakeClock())
+    create(engine, "cc-1", first_doc, name="manual")
+    _, refused = create(engine, "cc-2", other_doc, name="manual")
+    assert refused.error and "manual" in refused.error
+    assert [c.id for c, _ in engine.cached_contents()] == ["cc-1"]
+    assert engine.stats().blocks_pinned == 64 // BS  # the refused content's pin is gone
+    # the same name in another owner's scope is a different content
+    _, other = create(engine, "cc-3", other_doc, name="manual", owner="tenant-b")
+    assert other.error is None
+    assert [c.id for c, _ in engine.cached_contents("tenant-b")] == ["cc-3"]
+    assert [c.id for c, _ in engine.cached_contents()] == ["cc-1"]
+
+
+def test_an_expired_content_is_gone_and_repin_sets_the_expiry_both_ways():
+    import pytest
+
+    from prefixserve.errors import NotFoundError
+    rng = random.Random(5)
+    doc = [rng.randrange(10, 4000) for _ in range(64)]
+    clock = FakeClock()
+    engine = make_engine(clock)
+    create(engine, "cc-1", doc, ttl_s=100.0)
+    _, pin = engine.repin_cached_content("cc-1", 10.0)
+    assert pin.expires_at == clock.now + 10.0
+    _, pin = engine.repin_cached_content("cc-1", 500.0)
+    assert pin.expires_at == clock.now + 500.0
+    clock.now += 501.0
+    with pytest.raises(NotFoundError):
+        engine.find_cached_content("cc-1")
+    assert engine.cached_contents() == [] and engine.stats().blocks_pinned == 0

@@ -5,10 +5,9 @@ import math
 import random
 
 import pytest
-import torch
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.scheduler import RequestRejected
+from prefixserve.errors import InvalidRequestError
 
 
 @pytest.fixture(scope="module")
@@ -119,16 +118,16 @@ def test_sampling_params_name_the_bad_field(bad, field):
 
 def test_requests_that_can_never_fit_are_rejected_and_leave_nothing(llm):
     engine = llm.engine
-    with pytest.raises(RequestRejected, match="max_model_len"):
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
         engine.add_request("long", {"prompt_token_ids": ids(1, 600)}, SamplingParams(max_tokens=4))
-    with pytest.raises(RequestRejected, match="max_model_len"):
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
         engine.add_request("long2", {"prompt_token_ids": ids(1, 500)}, SamplingParams(max_tokens=100))
-    with pytest.raises(RequestRejected, match="empty"):
+    with pytest.raises(InvalidRequestError, match="empty"):
         engine.add_request("empty", {"prompt_token_ids": []}, SamplingParams())
-    with pytest.raises(RequestRejected, match="token id"):
+    with pytest.raises(InvalidRequestError, match="token id"):
         engine.add_request("bad", {"prompt_token_ids": [1, -5]}, SamplingParams())
     small = LLM("random:qwen3-tiny", block_size=16, num_kv_blocks=4, max_model_len=512)
-    with pytest.raises(RequestRejected, match="pool"):
+    with pytest.raises(InvalidRequestError, match="pool"):
         small.engine.add_request("huge", {"prompt_token_ids": ids(1, 60)}, SamplingParams(max_tokens=10))
     assert not engine.has_unfinished_requests()
     assert engine.stats().blocks_in_use == 0

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from prefixserve.model.attention.backend import AttentionBackend, get_attention_backend
+from prefixserve.model.attention.backend import AttentionBackend
 from prefixserve.model.attention.metadata import AttentionMetadata
-from prefixserve.model.attention.torch_paged import TorchPagedAttention, attention_with_lse, \
+from prefixserve.model.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata, attention_with_lse, \
     reference_attention_with_lse
 from prefixserve.model.native.build import buildable
 
@@ -65,7 +65,7 @@ class Scenario:
         self.dense[child] = (keys[: blocks * BLOCK_SIZE], values[: blocks * BLOCK_SIZE])
         self.tables[child] = self.tables[parent][:blocks]
 
-    def run(self, plan: list[tuple[int, int]]) -> AttentionMetadata:
+    def run(self, plan: list[tuple[int, int]]) -> TorchPagedMetadata:
         """One backend call over (sequence, new tokens) pairs, checked against the reference."""
         total = sum(n for _, n in plan)
         # q/k/v as strided column views of one wider tensor, the way the model's fused qkv produces them
@@ -88,7 +88,7 @@ class Scenario:
             seq_lens.append(len(new_k))
             tables.append(list(table))
             start += count
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE)
+        meta = self.backend.build_metadata(AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE))
         out = self.backend.forward(q, k, v, self.pool, meta, SCALE)
 
         assert out.shape == q.shape and out.is_contiguous()
@@ -122,6 +122,8 @@ def test_chunks_over_cached_context_mixed_with_decodes_match_reference(backend: 
     # sequence that schedules no token this step; out of order
     scenario.run([(1, 1), (0, 7), (3, 5), (2, 1)])
     scenario.run([(2, 0), (0, 1), (1, 6), (3, 1)])
+    # every token row decodes, but not every sequence has a row
+    scenario.run([(0, 1), (2, 0), (3, 1), (1, 1)])
 
 
 @pytest.mark.parametrize("seed", [2, 3])
@@ -142,7 +144,7 @@ def test_decodes_sharing_leading_blocks_match_reference(backend: AttentionBacken
     scenario.fork(0, 5, blocks=1)
     scenario.run([(2, 2), (3, 1), (4, 3)])
     meta = scenario.run([(1, 1), (0, 1), (2, 1), (3, 1), (4, 1), (5, 1)])
-    runs = {tuple(r.members.tolist()): r.blocks.tolist() for r in meta.decode_plan.shared}
+    runs = {tuple(r.members.tolist()): r.blocks.tolist() for r in meta.decode.shared}
     # rows: 1, 0, 2, 3, 4, 5 -> sequences 0, 2, 3, 5 share block 1 of seq 0; 1 and 4 share two blocks
     assert runs == {(1, 2, 3, 5): scenario.tables[0][:1], (0, 4): scenario.tables[1][:2]}
     for _ in range(5):  # runs lengthen and shift as the sequences grow past block boundaries
@@ -157,7 +159,7 @@ def test_decodes_with_a_chunk_and_shared_run_match_reference(backend: AttentionB
     scenario.fork(0, 2, blocks=4)
     scenario.run([(1, 1), (2, 3)])
     meta = scenario.run([(3, 6), (1, 1), (0, 5), (2, 1)])
-    assert [r.members.tolist() for r in meta.decode_plan.shared] == [[0, 1]]
+    assert [r.members.tolist() for r in meta.decode.shared] == [[0, 1]]
 
 
 def test_attention_with_lse_kernel_matches_plain_matmuls() -> None:
@@ -176,7 +178,3 @@ def test_attention_with_lse_kernel_matches_plain_matmuls() -> None:
     dense = torch.softmax((q @ k.transpose(-1, -2)) * SCALE + bias, dim=-1) @ v
     torch.testing.assert_close(ref_out, dense, rtol=1e-5, atol=1e-5)
 
-
-def test_unknown_backend_is_named() -> None:
-    with pytest.raises(ValueError, match="'flash'"):
-        get_attention_backend("flash")

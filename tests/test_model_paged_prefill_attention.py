@@ -171,8 +171,8 @@ def test_backend_answers_every_chunk_with_one_kernel_call(kernel: PagedPrefillAt
     k_pool, v_pool = case.pool[0].flatten(0, 1), case.pool[1].flatten(0, 1)
     meta = AttentionMetadata.build([9, 1, 11], case.lens.tolist(), case.tables.tolist(), 4)
     # the step's new K/V are the ones already at their slots, so writing them changes nothing
-    out = backend.forward(case.q, k_pool[meta.slot_mapping], v_pool[meta.slot_mapping], case.pool, meta,
-                          case.scale)
+    out = backend.forward(case.q, k_pool[meta.slot_mapping], v_pool[meta.slot_mapping], case.pool,
+                          backend.build_metadata(meta), case.scale)
     assert calls == [2]
     torch.testing.assert_close(out.double(), case.expected(), rtol=0, atol=2e-5)
 
@@ -185,8 +185,8 @@ def test_backend_falls_back_to_sdpa_where_the_kernel_does_not_apply() -> None:
         assert not backend._prefill_kernel.supports(case.q, case.pool)
     k_pool, v_pool = case.pool[0].flatten(0, 1), case.pool[1].flatten(0, 1)
     meta = AttentionMetadata.build([7, 5], case.lens.tolist(), case.tables.tolist(), 4)
-    out = backend.forward(case.q, k_pool[meta.slot_mapping], v_pool[meta.slot_mapping], case.pool, meta,
-                          case.scale)
+    out = backend.forward(case.q, k_pool[meta.slot_mapping], v_pool[meta.slot_mapping], case.pool,
+                          backend.build_metadata(meta), case.scale)
     torch.testing.assert_close(out.double(), case.expected(), rtol=0, atol=2e-5)
 
 

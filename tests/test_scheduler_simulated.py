@@ -9,7 +9,7 @@ skipped, or two sequences writing one slot, fail here, whatever the policy.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hypothesis import given, settings, strategies as st
 
@@ -26,8 +26,18 @@ def next_token(seq: list[int], sample_index: int) -> int:
 class SimWorker:
     block_size: int
     slots: dict
+    # Block tables kept between steps from the plans' deltas, as the real worker does.
+    tables: dict = field(default_factory=dict)
 
     def run(self, sched: Scheduler, plan) -> dict[str, list[int]]:
+        for rid in plan.dropped_ids:
+            del self.tables[rid]
+        for seq in plan.sequences:
+            if seq.full_block_table is not None:
+                self.tables[seq.request_id] = list(seq.full_block_table)
+            else:
+                self.tables[seq.request_id].extend(seq.new_block_ids)
+            assert self.tables[seq.request_id] == sched.kv.block_table(seq.request_id)
         for src, dst in plan.block_copies:
             for off in range(self.block_size):
                 key = src * self.block_size + off
@@ -37,8 +47,9 @@ class SimWorker:
         for seq in plan.sequences:
             req = sched.requests[seq.request_id]
             full = req.all_token_ids[:seq.seq_len]
+            table = self.tables[seq.request_id]
             for pos in range(seq.start_pos, seq.seq_len):
-                slot = seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+                slot = table[pos // self.block_size] * self.block_size + pos % self.block_size
                 assert slot not in written, "two sequences wrote one slot in a step"
                 written.add(slot)
                 self.slots[slot] = hash(tuple(full[:pos + 1]))
@@ -46,8 +57,9 @@ class SimWorker:
         for seq in plan.sequences:
             req = sched.requests[seq.request_id]
             full = req.all_token_ids[:seq.seq_len]
+            table = self.tables[seq.request_id]
             for pos in range(seq.seq_len):
-                slot = seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+                slot = table[pos // self.block_size] * self.block_size + pos % self.block_size
                 assert self.slots.get(slot) == hash(tuple(full[:pos + 1])), (
                     f"{seq.request_id} reads wrong K/V at position {pos}")
             if seq.sample:
@@ -112,6 +124,9 @@ def test_random_workloads_keep_kv_consistent(seed, block_size, num_blocks, budge
         if not arrivals and not sched.has_unfinished():
             break
     assert not sched.has_unfinished()
+    for rid in sched.take_dropped_ids():
+        del worker.tables[rid]
+    assert worker.tables == {}
     assert finished == expected
     stats = kv.stats()
     assert stats.num_used_blocks == 0

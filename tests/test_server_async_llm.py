@@ -11,9 +11,9 @@ import contextlib
 import pytest
 
 from prefixserve import EngineConfig, LLMEngine, SamplingParams
-from prefixserve.engine.async_llm import (AsyncLLM, EngineDeadError, EngineStepError,
-                                          RequestAbortedError)
-from prefixserve.scheduler import QueueFull, RequestRejected
+from prefixserve.engine import AsyncLLM
+from prefixserve.errors import (EngineDeadError, EngineStepError, InvalidRequestError, QueueFullError,
+                                RequestAbortedError)
 
 CONFIG = EngineConfig(model="random:qwen3-tiny", seed=0, num_kv_blocks=128, max_model_len=512)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -71,9 +71,9 @@ def test_concurrent_requests_match_synchronous_engine(engine):
 
 def test_rejected_request_raises_and_leaves_nothing(async_llm, engine):
     async def main():
-        with pytest.raises(RequestRejected, match="max_model_len"):
+        with pytest.raises(InvalidRequestError, match="max_model_len"):
             await async_llm.add_request("too-long", {"prompt_token_ids": [5] * 600}, GREEDY)
-        with pytest.raises(RequestRejected, match="empty"):
+        with pytest.raises(InvalidRequestError, match="empty"):
             await async_llm.add_request("empty", {"prompt_token_ids": []}, GREEDY)
         return await collect(async_llm, "after", {"prompt_token_ids": [1, 2, 3]})
     assert asyncio.run(main()).finished
@@ -147,7 +147,7 @@ def test_queue_bound_raises_queue_full(engine):
     async def main():
         tasks = [asyncio.create_task(front.add_request(f"q-{i}", [1, 2, 3], GREEDY)) for i in range(2)]
         await asyncio.sleep(0)
-        with pytest.raises(QueueFull, match="max_waiting"):
+        with pytest.raises(QueueFullError, match="max_waiting"):
             await front.add_request("q-over", [1, 2, 3], GREEDY)
         front.shutdown()
         results = await asyncio.gather(*tasks, return_exceptions=True)

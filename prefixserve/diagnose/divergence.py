@@ -13,20 +13,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable, Optional, Sequence
 
+from prefixserve.prompt import common_prefix_len
+
 _CHUNK = 16
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
-    """Length of the longest common prefix of a and b, knowing the first `start` items agree.
-    Binary search over slice equality: O(log n) comparisons that each run in C."""
-    lo, hi = start, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 @dataclass

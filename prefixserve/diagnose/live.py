@@ -11,9 +11,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
-from prefixserve.diagnose.divergence import (ClosestPrefixIndex, common_prefix_len,
-                                              describe_divergence)
-from prefixserve.diagnose.render import Span
+from prefixserve.diagnose.divergence import ClosestPrefixIndex, describe_divergence
+from prefixserve.prompt import Span, common_prefix_len
 
 SpanLike = Union[Span, tuple[str, int, int]]   # a Span, or (part label, start, end)
 

@@ -1,9 +1,10 @@
 from prefixserve.engine.async_llm import AsyncLLM
+from prefixserve.engine.cached_contents import CachedContent
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.llm import LLM
 from prefixserve.engine.llm_engine import LLMEngine
-from prefixserve.engine.outputs import (CachePin, CompletionOutput, EngineStats, PinResult,
+from prefixserve.engine.outputs import (CachePin, CompletionOutput, EngineInfo, EngineStats, PinInfo, PinResult,
                                        RequestMetrics, RequestOutput)
 
-__all__ = ["AsyncLLM", "CachePin", "CompletionOutput", "PinResult", "EngineConfig", "EngineStats", "LLM", "LLMEngine", "RequestMetrics",
-           "RequestOutput"]
+__all__ = ["AsyncLLM", "CachePin", "CachedContent", "CompletionOutput", "EngineConfig", "EngineInfo", "EngineStats",
+           "LLM", "LLMEngine", "PinInfo", "PinResult", "RequestMetrics", "RequestOutput"]

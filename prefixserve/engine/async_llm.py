@@ -19,25 +19,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional, Sequence, TypeVar
 
+from prefixserve.engine.cached_contents import CachedContent
 from prefixserve.engine.llm_engine import LLMEngine, PromptInput
-from prefixserve.engine.outputs import CachePin, EngineStats, RequestOutput
+from prefixserve.engine.outputs import CachePin, EngineInfo, EngineStats, PinInfo, RequestOutput
+from prefixserve.errors import (DuplicateRequestError, EngineDeadError, EngineStepError, QueueFullError,
+                                RequestAbortedError)
 from prefixserve.sampling_params import SamplingParams
-from prefixserve.scheduler import QueueFull
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (shut down or crashed); no request can be served."""
-
-
-class EngineStepError(RuntimeError):
-    """An engine step raised; every request that was in the engine at the time has been ended."""
-
-
-class RequestAbortedError(RuntimeError):
-    """The request was aborted (by its client going away or an explicit abort)."""
 
 
 class RequestStream:
@@ -110,7 +100,7 @@ class AsyncLLM:
 
     max_waiting bounds the requests accepted but not yet running (those still
     in the command list plus the engine's waiting queue); beyond it add_request
-    raises QueueFull at once, so memory stays bounded under overload.
+    raises QueueFullError at once, so memory stays bounded under overload.
     """
 
     def __init__(self, engine: LLMEngine, *, max_waiting: Optional[int] = None) -> None:
@@ -138,6 +128,15 @@ class AsyncLLM:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def info(self) -> EngineInfo:
+        """What the engine serves and how (model, dtype, device, block size, limits); immutable."""
+        return self.engine.info
+
+    def now(self) -> float:
+        """The engine's clock (pin expiries are given in it); safe from any thread."""
+        return self.engine.clock()
 
     @property
     def is_running(self) -> bool:
@@ -176,7 +175,7 @@ class AsyncLLM:
 
         cache_pins: prefixes to pin once the prompt is computed (see LLMEngine.add_request).
 
-        Raises QueueFull (at the bound), RequestRejected (the engine refused it;
+        Raises QueueFullError (at the bound), InvalidRequestError (the engine refused it;
         nothing scheduled) or EngineDeadError.
         """
         stream = RequestStream(request_id, asyncio.get_running_loop())
@@ -204,10 +203,11 @@ class AsyncLLM:
         with self._cond:
             self._check_alive_locked()
             if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
+                raise DuplicateRequestError(f"request id {request_id!r} is already in use",
+                                            param="request_id")
             if self.max_waiting is not None and \
                     self._pending_adds + self._stats.num_waiting >= self.max_waiting:
-                raise QueueFull(f"too many requests waiting (max_waiting={self.max_waiting}); "
+                raise QueueFullError(f"too many requests waiting (max_waiting={self.max_waiting}); "
                                 "retry later")
             self._pending_adds += 1
             self._streams[request_id] = stream
@@ -263,8 +263,44 @@ class AsyncLLM:
         if stream is not None:
             _fail_quietly(stream, RequestAbortedError(f"request {request_id} was aborted"))
 
+    # ------------------------------------------------- cache control (each one atomic)
+    async def reset_prefix_cache(self) -> int:
+        return await self.run_in_engine(lambda e: e.reset_prefix_cache())
+
+    async def pin_prefix(self, token_ids: list[int], *, cache_salt: Optional[str] = None,
+                         num_tokens: Optional[int] = None, ttl_s: Optional[float] = None,
+                         shorten: bool = False) -> PinInfo:
+        return await self.run_in_engine(lambda e: e.pin_prefix(
+            token_ids, cache_salt=cache_salt, num_tokens=num_tokens, ttl_s=ttl_s, shorten=shorten))
+
+    async def unpin(self, pin_id: str) -> bool:
+        return await self.run_in_engine(lambda e: e.unpin(pin_id))
+
+    async def list_pins(self) -> list[PinInfo]:
+        return await self.run_in_engine(lambda e: e.list_pins())
+
+    async def cached_contents(self, owner: Optional[str] = None) -> list[tuple[CachedContent, PinInfo]]:
+        return await self.run_in_engine(lambda e: e.cached_contents(owner))
+
+    async def find_cached_content(self, key: str, owner: Optional[str] = None,
+                                  param: str = "cached_content") -> tuple[CachedContent, PinInfo]:
+        return await self.run_in_engine(lambda e: e.find_cached_content(key, owner, param))
+
+    async def cached_content_name_taken(self, name: str, owner: Optional[str] = None) -> bool:
+        return await self.run_in_engine(lambda e: e.cached_content_name_taken(name, owner))
+
+    async def repin_cached_content(self, key: str, ttl_s: float, owner: Optional[str] = None,
+                                   param: str = "key") -> tuple[CachedContent, PinInfo]:
+        return await self.run_in_engine(lambda e: e.repin_cached_content(key, ttl_s, owner, param))
+
+    async def delete_cached_content(self, key: str, owner: Optional[str] = None,
+                                    param: str = "key") -> CachedContent:
+        return await self.run_in_engine(lambda e: e.delete_cached_content(key, owner, param))
+
     async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Runs fn(engine) on the engine thread between two steps and returns its result."""
+        """Runs fn(engine) on the engine thread between two steps and returns its result.
+
+        For tests and tools that inspect the engine; entry points use the named methods above."""
         return await asyncio.wrap_future(self.submit(fn))
 
     def submit(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:

@@ -1,17 +1,26 @@
 """Everything that shapes an engine, checked once at construction."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 1024**3
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Device types an engine can be asked for, in torch.device's spelling ("cuda", "cuda:1"). Only the
+# form is checked here (no torch import); the engine checks at start that the device exists.
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+_DEVICE = re.compile(r"(?P<type>[a-z]+)(:(0|[1-9][0-9]*))?")
+_BACKEND_NAME = re.compile(r"[a-z0-9][a-z0-9_\-]*")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "random:qwen3-tiny"
     dtype: str = "auto"  # auto: float32 on CPU
+    device: str = "cpu"
+    # A registered attention backend's name, or "auto": the fastest one for the device and dtype.
+    attention_backend: str = "auto"
     seed: int = 0
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -33,6 +42,12 @@ class EngineConfig:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        device = _DEVICE.fullmatch(self.device) if isinstance(self.device, str) else None
+        if device is None or device["type"] not in DEVICE_TYPES:
+            raise ValueError(f"device must be one of {DEVICE_TYPES}, optionally with an index "
+                             f"(\"cuda:1\"), got {self.device!r}")
+        if not isinstance(self.attention_backend, str) or not _BACKEND_NAME.fullmatch(self.attention_backend):
+            raise ValueError(f"attention_backend must be 'auto' or a backend name, got {self.attention_backend!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             _positive(name, getattr(self, name))
         for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "max_waiting"):

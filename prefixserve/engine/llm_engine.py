@@ -12,15 +12,19 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from prefixserve.engine.cached_contents import CachedContent, CachedContentStore
 from prefixserve.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
-from prefixserve.engine.outputs import (CachePin, CompletionOutput, EngineStats, PinResult,
-                                       RequestMetrics, RequestOutput)
-from prefixserve.kv import KVCacheConfig, KVCacheManager, PinLimitError
+from prefixserve.engine.outputs import (CachePin, CompletionOutput, EngineInfo, EngineStats, PinInfo,
+                                       PinResult, RequestMetrics, RequestOutput)
+from prefixserve.errors import (ConflictError, DuplicateRequestError, InvalidRequestError,
+                                NotFoundError, PinLimitError)
+from prefixserve.kv import KVCacheConfig, KVCacheManager
+from prefixserve.model.config import dtype_name
 from prefixserve.model.loader import load_model
 from prefixserve.sampling_params import SamplingParams
-from prefixserve.scheduler import (Request, RequestRejected, RequestStatus, Scheduler,
-                                   SchedulerConfig)
+from prefixserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, child_request_id
 from prefixserve.tokenizer import IncrementalDetokenizer, load_tokenizer
+from prefixserve.worker.device import resolve_device
 from prefixserve.worker.model_runner import ModelRunner, num_blocks_for_memory
 from prefixserve.worker.sampler import SamplingRow
 
@@ -59,7 +63,9 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         dtype = None if config.dtype == "auto" else config.dtype
-        self.loaded = load_model(config.model, dtype=dtype, seed=config.seed)
+        self.device = resolve_device(config.device)
+        self.loaded = load_model(config.model, dtype=dtype, seed=config.seed, device=self.device,
+                                 attention_backend=config.attention_backend)
         self.model_config = self.loaded.config
         self.tokenizer = load_tokenizer(config.model)
         self.max_model_len = config.max_model_len or min(
@@ -90,6 +96,13 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._sample_to_group: dict[str, str] = {}
         self._requests_finished = 0
+        self._contents = CachedContentStore()
+        self.info = EngineInfo(
+            model=config.model, model_identity=self.loaded.identity,
+            dtype=dtype_name(next(self.loaded.model.parameters()).dtype),
+            device=str(next(self.loaded.model.parameters()).device), block_size=config.block_size,
+            max_model_len=self.max_model_len, num_kv_blocks=num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching, kernels=self.runner.kernels)
 
     def _default_num_blocks(self) -> int:
         budget = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
@@ -108,40 +121,40 @@ class LLMEngine:
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
             if unknown:
-                raise RequestRejected(f"unknown prompt fields: {sorted(unknown)}")
+                raise InvalidRequestError(f"unknown prompt fields: {sorted(unknown)}")
             salt = prompt.get("cache_salt")
             if salt is not None and (not isinstance(salt, str) or not salt):
-                raise RequestRejected("cache_salt must be a non-empty string")
+                raise InvalidRequestError("cache_salt must be a non-empty string")
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise RequestRejected("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             if not prompt:
-                raise RequestRejected("the prompt is empty")
+                raise InvalidRequestError("the prompt is empty")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True), salt
         if isinstance(prompt, (list, tuple)):
             vocab = self.model_config.vocab_size
             for t in prompt:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise RequestRejected(f"prompt token id {t!r} is not in [0, {vocab})")
+                    raise InvalidRequestError(f"prompt token id {t!r} is not in [0, {vocab})")
             return None, list(prompt), salt
-        raise RequestRejected(f"a prompt must be a string, token ids or a dict, got {type(prompt).__name__}")
+        raise InvalidRequestError(f"a prompt must be a string, token ids or a dict, got {type(prompt).__name__}")
 
     def add_request(self, request_id: str, prompt: PromptInput,
                     params: Optional[SamplingParams] = None, *, cache_salt: Optional[str] = None,
                     priority: int = 0, arrival_time: Optional[float] = None,
                     cache_pins: Sequence[CachePin] = ()) -> None:
-        """Queues a request; raises RequestRejected (nothing queued) if it can never run.
+        """Queues a request; raises InvalidRequestError (nothing queued) if it can never run.
 
         cache_pins: prefixes of this prompt to pin in the cache, each for its TTL, once the
         prompt has been computed (a pin that exists already is refreshed).
         """
         params = params or SamplingParams()
         if request_id in self._groups:
-            raise RequestRejected(f"request id {request_id!r} is already in use")
+            raise DuplicateRequestError(f"request id {request_id!r} is already in use", param="request_id")
         text, token_ids, dict_salt = self.tokenize_prompt(prompt)
         salt = cache_salt if cache_salt is not None else dict_salt
         if params.max_tokens is not None:
@@ -160,8 +173,9 @@ class LLMEngine:
         )
         for pin in cache_pins:
             if not 0 < pin.num_tokens <= len(token_ids):
-                raise RequestRejected(
-                    f"cache pin of {pin.num_tokens} tokens outside the {len(token_ids)}-token prompt")
+                raise InvalidRequestError(
+                    f"cache pin of {pin.num_tokens} tokens outside the {len(token_ids)}-token prompt",
+                    param="cache_pins")
         self.scheduler.add_request(req)
         group = _Group(request_id, text, token_ids, params, salt, req.arrival_time,
                        cache_pins=tuple(cache_pins))
@@ -174,7 +188,7 @@ class LLMEngine:
         if seed is not None:
             # Each sample of a seeded request gets its own stream, fixed by (seed, index).
             derived = seed if index == 0 else (seed * 1_000_003 + index) % (2**63 - 1)
-            generator = torch.Generator(device="cpu").manual_seed(derived)
+            generator = torch.Generator(device=self.device).manual_seed(derived)
         detok = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids,
                                        skip_special_tokens=group.params.skip_special_tokens)
         return _Sample(index=index, detokenizer=detok, generator=generator)
@@ -192,10 +206,17 @@ class LLMEngine:
                 self.scheduler.release(sid)
                 self._sample_to_group.pop(sid, None)
             self._requests_finished += 1
+        self._drop_worker_rows_if_idle()
 
     # ------------------------------------------------------------------- step
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
+
+    def _drop_worker_rows_if_idle(self) -> None:
+        # Each plan tells the worker which block tables to drop; with nothing left to schedule no
+        # plan follows, so the tables of the requests that just ended are dropped now.
+        if not self.scheduler.has_unfinished():
+            self.runner.drop_requests(self.scheduler.take_dropped_ids())
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling step; returns the (cumulative) output of every request that moved."""
@@ -205,11 +226,11 @@ class LLMEngine:
         for seq in plan.sequences:
             if not seq.sample:
                 continue
-            req = self.scheduler.requests[seq.request_id]
+            req = self.scheduler.get_request(seq.request_id)
             group = self._groups[self._sample_to_group[seq.request_id]]
             for k in range(seq.num_samples):
                 if seq.num_samples > 1 and k > 0:
-                    child_id = f"{seq.request_id}#{k}"
+                    child_id = child_request_id(seq.request_id, k)
                     sample = self._new_sample(group, k, group.params.seed)
                     group.samples[child_id] = sample
                     self._sample_to_group[child_id] = group.request_id
@@ -224,7 +245,7 @@ class LLMEngine:
                 ))
                 row_owner.append((seq.request_id, k))
         try:
-            result = self.runner.execute(plan.sequences, rows, plan.block_copies)
+            result = self.runner.execute(plan, rows)
         except BaseException:
             self._fail_step(plan)
             raise
@@ -236,7 +257,7 @@ class LLMEngine:
 
         moved: set[str] = set()
         for (rid, k), logprob, top in zip(row_owner, result.logprobs, result.top_logprobs):
-            sid = rid if k == 0 else f"{rid}#{k}"
+            sid = rid if k == 0 else child_request_id(rid, k)
             if logprob is not None:
                 self._groups[self._sample_to_group[sid]].samples[sid].logprobs.append((logprob, top))
         for req in touched:
@@ -248,6 +269,7 @@ class LLMEngine:
             moved.add(gid)
         for sid in self.scheduler.take_failed():
             moved.add(self._sample_to_group[sid])
+        self._drop_worker_rows_if_idle()
         return [self._emit(gid) for gid in sorted(moved, key=lambda g: self._groups[g].arrival_time)]
 
     def _fail_step(self, plan) -> None:
@@ -266,13 +288,25 @@ class LLMEngine:
         # request now, so the whole prefix is found in the cache.
         for pin in group.cache_pins:
             try:
+                existed = self._live_pin_ids() if pin.content is not None else set()
                 info = self.kv.pin_prefix(group.prompt_token_ids, cache_salt=group.cache_salt,
                                           num_tokens=pin.num_tokens, ttl_s=pin.ttl_s)
-            except PinLimitError as exc:
+                if pin.content is not None and info.pin_id is not None:
+                    self._register_content(pin.content, info.pin_id, info.pin_id not in existed)
+            except (PinLimitError, ConflictError) as exc:
                 group.pin_results.append(PinResult(pin.num_tokens, 0, None, str(exc)))
                 continue
             group.pin_results.append(PinResult(pin.num_tokens, info.num_tokens, info.expires_at,
                                                None, info.pin_id))
+
+    def _register_content(self, content: CachedContent, pin_id: str, new_pin: bool) -> None:
+        content.pin_id = pin_id
+        try:
+            self._contents.add(content, self._live_pin_ids())
+        except ConflictError:
+            if new_pin:  # placed for this content alone: it goes with the refused content
+                self.kv.unpin(pin_id)
+            raise
 
     def _advance_text(self, group: _Group, req: Request) -> None:
         sample = group.samples[req.request_id]
@@ -285,11 +319,7 @@ class LLMEngine:
             return
         at, s = stop
         sample.text = sample.text[:at + (len(s) if group.params.include_stop_str_in_output else 0)]
-        if req.is_finished:
-            # The same token also hit a length limit; the stop string explains the end better.
-            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, s
-        else:
-            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, s)
+        self.scheduler.stop_request(req.request_id, s)
 
     @staticmethod
     def _visible_text(text: str, params: SamplingParams, finished: bool) -> str:
@@ -324,7 +354,7 @@ class LLMEngine:
         num_cached = 0
         metrics = RequestMetrics(arrival_time=group.arrival_time)
         for sid, sample in sorted(group.samples.items(), key=lambda kv: kv[1].index):
-            req = self.scheduler.requests[sid]
+            req = self.scheduler.get_request(sid)
             if req.is_finished and sample.finish_reason is None:
                 sample.finish_reason = req.status.value
                 sample.stop_reason = req.stop_reason
@@ -350,7 +380,7 @@ class LLMEngine:
             ))
         # The group is complete once every one of its n samples exists and has
         # finished, or its first sample ended before the fork could happen.
-        first = self.scheduler.requests[gid]
+        first = self.scheduler.get_request(gid)
         finished = all_done and (len(outputs) == group.params.n or
                                  (first.is_finished and first.num_output_tokens == 0))
         error = None
@@ -369,8 +399,72 @@ class LLMEngine:
         return out
 
     # ------------------------------------------------------------- cache ops
+    def now(self) -> float:
+        """The engine's clock, in which pin expiries and request metrics are given."""
+        return self.clock()
+
     def reset_prefix_cache(self) -> int:
+        """Drops every pin, every cached content and every cached hash; returns the hashes dropped."""
         return self.kv.reset_prefix_cache()
+
+    def pin_prefix(self, token_ids: Sequence[int], *, cache_salt: Optional[str] = None,
+                   num_tokens: Optional[int] = None, ttl_s: Optional[float] = None,
+                   shorten: bool = False) -> PinInfo:
+        """Pins the cached full blocks of the prompt's first num_tokens tokens for ttl_s seconds
+        (refreshing a pin that holds them already; shorten lets the expiry move earlier).
+        Raises PinLimitError beyond the pinned-block cap."""
+        return _public_pin(self.kv.pin_prefix(token_ids, cache_salt=cache_salt, num_tokens=num_tokens,
+                                              ttl_s=ttl_s, shorten=shorten))
+
+    def unpin(self, pin_id: str) -> bool:
+        """Releases a pin; False if it no longer lives. A pin a cached content holds is released
+        by deleting the content instead."""
+        if self._contents.holds(pin_id):
+            raise ConflictError(f"pin {pin_id!r} holds a cached content; delete the content instead",
+                                param="pin_id", code="pin_in_use")
+        return self.kv.unpin(pin_id)
+
+    def list_pins(self) -> list[PinInfo]:
+        return [_public_pin(p) for p in self.kv.pins()]
+
+    def _live_pin_ids(self) -> set[str]:
+        return {p.pin_id for p in self.kv.pins()}
+
+    # ------------------------------------------------------- cached contents
+    def cached_contents(self, owner: Optional[str] = None) -> list[tuple[CachedContent, PinInfo]]:
+        """The live contents visible to owner, each with its pin."""
+        pins = {p.pin_id: p for p in self.kv.pins()}
+        return [(c, _public_pin(pins[c.pin_id])) for c in self._contents.visible(owner, set(pins))]
+
+    def find_cached_content(self, key: str, owner: Optional[str] = None,
+                            param: str = "cached_content") -> tuple[CachedContent, PinInfo]:
+        """The live content named or identified by key in owner's scope; NotFoundError otherwise."""
+        pins = {p.pin_id: p for p in self.kv.pins()}
+        content = self._contents.find(key, owner, set(pins), param=param)
+        return content, _public_pin(pins[content.pin_id])
+
+    def cached_content_name_taken(self, name: str, owner: Optional[str] = None) -> bool:
+        return self._contents.name_taken(name, owner, self._live_pin_ids())
+
+    def repin_cached_content(self, key: str, ttl_s: float, owner: Optional[str] = None,
+                             param: str = "key") -> tuple[CachedContent, PinInfo]:
+        """Sets a content's expiry to ttl_s from now, shorter as well as longer."""
+        content, _ = self.find_cached_content(key, owner, param=param)
+        info = self.kv.pin_prefix(content.token_ids, cache_salt=content.cache_salt,
+                                  num_tokens=len(content.token_ids), ttl_s=ttl_s, shorten=True)
+        if info.pin_id != content.pin_id:
+            # The content's own pin holds these blocks, so the walk finds exactly them again.
+            raise NotFoundError(f"cached content {key!r} is no longer in the cache", param=param,
+                                code="cached_content_not_found")
+        return content, _public_pin(info)
+
+    def delete_cached_content(self, key: str, owner: Optional[str] = None,
+                              param: str = "key") -> CachedContent:
+        """Forgets a content and releases its pin unless another content shares it."""
+        content, _ = self.find_cached_content(key, owner, param=param)
+        if self._contents.remove(content):
+            self.kv.unpin(content.pin_id)
+        return content
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats
@@ -396,4 +490,9 @@ class LLMEngine:
             prefix_cache_queries=kv.query_tokens,
             prefix_cache_hits=kv.hit_tokens,
             kv_cache_bytes=self.runner.kv_cache_bytes,
+            kernels_active={name: k["active"] for name, k in self.runner.kernels.items()},
         )
+
+
+def _public_pin(info) -> PinInfo:
+    return PinInfo(info.pin_id, info.num_tokens, info.expires_at)

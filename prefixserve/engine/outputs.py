@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from prefixserve.engine.cached_contents import CachedContent
 
 
 @dataclass
@@ -26,6 +29,8 @@ class CachePin:
     """Asks the engine to pin the first num_tokens of a prompt once it is computed."""
     num_tokens: int
     ttl_s: Optional[float] = None  # None: until unpinned
+    # Registered under this pin in the same engine call that places it (creation is atomic).
+    content: Optional[CachedContent] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int) or self.num_tokens < 1:
@@ -40,8 +45,31 @@ class PinResult:
     # Block-aligned tokens actually pinned (a partial last block is never cached).
     pinned_tokens: int
     expires_at: Optional[float]
-    error: Optional[str] = None  # set when the pin cap refused it
+    error: Optional[str] = None  # set when the pin cap refused it (or a content's name was taken)
     pin_id: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class PinInfo:
+    """A live pin as callers of the engine see it."""
+    pin_id: Optional[str]  # None: nothing was cached, so nothing was pinned
+    num_tokens: int        # block-aligned tokens held
+    expires_at: Optional[float]  # engine clock time; None: until unpinned
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """The read-only facts about a running engine that entry points need."""
+    model: str
+    model_identity: str
+    dtype: str
+    device: str
+    block_size: int
+    max_model_len: int
+    num_kv_blocks: int
+    enable_prefix_caching: bool
+    # native CPU kernel -> {"active": bool, "reason": why not, ...} (model/native/report.py)
+    kernels: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -101,6 +129,8 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     kv_cache_bytes: int
+    # native CPU kernel name -> active (the reasons are in EngineInfo.kernels)
+    kernels_active: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
     @property

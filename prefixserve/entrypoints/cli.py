@@ -6,6 +6,8 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
+from prefixserve.errors import PrefixServeError
+
 # Each module defines add_parser(subparsers) and sets a `func(args) -> int` default.
 COMMANDS = (
     "prefixserve.entrypoints.demo",
@@ -32,7 +34,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError) as exc:
+    except (PrefixServeError, ValueError, FileNotFoundError) as exc:
         print(f"prefixserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from prefixserve.engine.config import DTYPES, EngineConfig
+from prefixserve.engine.config import DEVICE_TYPES, DTYPES, EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser, default_model: str) -> None:
@@ -12,6 +12,12 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str) -> None
     g.add_argument("--model", default=default_model,
                    help="local Hugging Face checkpoint folder or random:<preset> (default: %(default)s)")
     g.add_argument("--dtype", default="auto", choices=DTYPES)
+    g.add_argument("--device", default="cpu",
+                   help=f"torch device to run on: {', '.join(DEVICE_TYPES)}, optionally with an index "
+                        "(cuda:1) (default: %(default)s)")
+    g.add_argument("--attention-backend", default="auto",
+                   help="a registered attention backend's name, or auto for the fastest that supports the "
+                        "device and dtype (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")

@@ -5,9 +5,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Optional
 
-
-class PinLimitError(RuntimeError):
-    """Pinning would exceed max_pinned_blocks; nothing was pinned."""
+from prefixserve.errors import PinLimitError
 
 
 @dataclass

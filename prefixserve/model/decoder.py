@@ -8,12 +8,15 @@ attention metadata.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixserve.model.attention.backend import AttentionBackend, get_attention_backend
+from prefixserve.model.attention.backend import AttentionBackend
 from prefixserve.model.attention.metadata import AttentionMetadata
+from prefixserve.model.attention.registry import AUTO, select_backend
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, empty_parameter, fused_kernel
 from prefixserve.model.linear import linear
@@ -44,7 +47,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = linear(x, self.qkv_proj, self.qkv_bias)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
@@ -75,7 +78,7 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_cache: torch.Tensor, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the caller adds the two, in the next
         layer's input norm, so each residual add and the norm after it are one pass."""
         if residual is None:
@@ -92,10 +95,13 @@ class CausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu",
-                 attention_backend: AttentionBackend | None = None) -> None:
+                 attention_backend: AttentionBackend | str = AUTO) -> None:
         super().__init__()
         self.config = config
-        backend = attention_backend or get_attention_backend("torch")
+        if isinstance(attention_backend, str):
+            attention_backend = select_backend(attention_backend, device, dtype)
+        # one instance shared by every layer: its per-step plan is built once and read by all
+        self.attention_backend = backend = attention_backend
         self.embed_tokens = empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device=device)
         self.layers = nn.ModuleList(DecoderLayer(config, backend, dtype=dtype, device=device)
@@ -105,12 +111,16 @@ class CausalLM(nn.Module):
                         else empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+                attn_metadata: Any) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of every token in the flat batch.
 
+        attn_metadata: what the backend's build_metadata made of the step's AttentionMetadata
+        (the runner prepares it before the forward), or a plain AttentionMetadata, prepared here.
         Each new token's K/V lands in its slot of every layer's pool; each token
         attends to positions <= its own within its sequence.
         """
+        if isinstance(attn_metadata, AttentionMetadata):
+            attn_metadata = self.attention_backend.build_metadata(attn_metadata)
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         if input_ids.shape != positions.shape or input_ids.dim() != 1:

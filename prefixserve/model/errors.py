@@ -2,12 +2,14 @@
 
 Every error names the problem (the file, tensor or field) so that a user can
 fix the checkpoint without reading this code. All derive from ModelLoadError,
-which is a ValueError so that callers treating bad input uniformly keep working.
+a LoadError of the project's error hierarchy (and so a ValueError).
 """
 from __future__ import annotations
 
+from prefixserve.errors import LoadError
 
-class ModelLoadError(ValueError):
+
+class ModelLoadError(LoadError):
     """Base class: the model could not be loaded."""
 
 

@@ -31,11 +31,14 @@ class LoadedModel:
 
 
 def load_model(model: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
-               device: torch.device | str = "cpu", seed: int = 0) -> LoadedModel:
+               device: torch.device | str = "cpu", seed: int = 0,
+               attention_backend: str = "auto") -> LoadedModel:
     """Loads a local HF checkpoint folder or builds "random:<preset>" with weights seeded by `seed`.
 
     dtype None (or "auto") means float32 on CPU (bf16 matmuls lose accuracy there for
     little gain at small batch) and the checkpoint's own dtype on other devices.
+    attention_backend: a registered backend's name, or "auto" for the best one for the
+    device and dtype (model/attention/registry.py).
     """
     if isinstance(dtype, str) and dtype == "auto":
         dtype = None
@@ -43,28 +46,29 @@ def load_model(model: str | os.PathLike, *, dtype: torch.dtype | str | None = No
         raise TypeError(f"model must be a folder path or 'random:<preset>', got {type(model).__name__}")
     name = os.fspath(model)
     if name.startswith(RANDOM_PREFIX):
-        return _load_random(name.removeprefix(RANDOM_PREFIX), dtype, device, seed)
-    return _load_checkpoint(Path(name), dtype, device)
+        return _load_random(name.removeprefix(RANDOM_PREFIX), dtype, device, seed, attention_backend)
+    return _load_checkpoint(Path(name), dtype, device, attention_backend)
 
 
 def _load_random(preset: str, dtype: torch.dtype | str | None, device: torch.device | str,
-                 seed: int) -> LoadedModel:
+                 seed: int, attention_backend: str) -> LoadedModel:
     if preset not in RANDOM_PRESETS:
         raise UnsupportedModelError(
             f"unknown random model preset {preset!r}; presets: {', '.join(sorted(RANDOM_PRESETS))}")
     torch_dtype = resolve_dtype(dtype if dtype is not None else torch.float32)
-    built = random_model(preset, dtype=torch_dtype, device=device, seed=seed)
+    built = random_model(preset, dtype=torch_dtype, device=device, seed=seed, attention_backend=attention_backend)
     identity = f"{RANDOM_PREFIX}{preset}:seed{seed}:{dtype_name(torch_dtype)}"
     return LoadedModel(model=built, config=built.config, identity=identity, path=None)
 
 
-def _load_checkpoint(folder: Path, dtype: torch.dtype | str | None, device: torch.device | str) -> LoadedModel:
+def _load_checkpoint(folder: Path, dtype: torch.dtype | str | None, device: torch.device | str,
+                     attention_backend: str) -> LoadedModel:
     files = find_checkpoint_files(folder)
     config = ModelConfig.from_hf_config(files.config)
     if dtype is None:
         dtype = torch.float32 if torch.device(device).type == "cpu" else config.torch_dtype
     torch_dtype = resolve_dtype(dtype)
-    model = CausalLM(config, dtype=torch_dtype, device=device)
+    model = CausalLM(config, dtype=torch_dtype, device=device, attention_backend=attention_backend)
     load_weights(model, files)
     identity = f"hf:{files.fingerprint()}:{dtype_name(torch_dtype)}"
     return LoadedModel(model=model.eval(), config=config, identity=identity, path=folder.resolve())

@@ -31,11 +31,12 @@ RANDOM_PRESETS: dict[str, ModelConfig] = {
 INIT_STD = 0.02  # what HF initialisers use for these families
 
 
-def random_model(preset: str, *, dtype: torch.dtype, device: torch.device | str, seed: int) -> CausalLM:
+def random_model(preset: str, *, dtype: torch.dtype, device: torch.device | str, seed: int,
+                 attention_backend: str = "auto") -> CausalLM:
     """The preset's model with weights drawn from a generator seeded by `seed` (same seed, same weights)."""
     if preset not in RANDOM_PRESETS:
         raise KeyError(preset)
-    model = CausalLM(RANDOM_PRESETS[preset], dtype=dtype, device=device)
+    model = CausalLM(RANDOM_PRESETS[preset], dtype=dtype, device=device, attention_backend=attention_backend)
     initialise_randomly(model, seed=seed, std=INIT_STD)
     return model.eval()
 

@@ -1,7 +1,25 @@
-"""The plan one scheduling step hands to the worker."""
+"""The plan one scheduling step hands to the worker.
+
+The worker keeps every running request's block table between steps (one row
+per request), so a plan carries only what changed since the previous plan:
+
+- `SchedulerOutput.dropped_ids`: requests whose rows the worker forgets first,
+  before anything else of this plan: finished, aborted or preempted since the
+  previous plan. Their blocks went back to the KV manager.
+- `ScheduledSequence.full_block_table`: the request's whole table, when the
+  worker holds no row for it (newly admitted, resumed after preemption, a
+  fork's first step) or when copy-on-write replaced one of its blocks; the
+  worker (re)writes the row from it.
+- `ScheduledSequence.new_block_ids`: otherwise, the blocks appended to the
+  table this step (usually none, one when a decode crosses into a new block).
+
+Applied in that order, the worker's row equals the KV manager's table for every
+scheduled request, and an idle worker holds no row.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -10,12 +28,15 @@ class ScheduledSequence:
     # Tokens fed this step: all_token_ids[start_pos : start_pos + len(token_ids)].
     token_ids: list[int]
     start_pos: int
-    block_table: list[int]
     # True when this chunk reaches the end of the known tokens, so its last
     # row's logits are sampled; a partial prefill chunk samples nothing.
     sample: bool
     # How many samples to draw from the last row (n > 1 forks after the prompt).
     num_samples: int = 1
+    # The whole block table, when the worker must (re)write its row; None otherwise.
+    full_block_table: Optional[list[int]] = None
+    # Blocks appended to the table this step (empty when full_block_table is set).
+    new_block_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -32,6 +53,8 @@ class SchedulerOutput:
     # Copy-on-write block copies (src, dst) to perform before the forward pass.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # Requests whose block tables the worker drops before applying this plan.
+    dropped_ids: list[str] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

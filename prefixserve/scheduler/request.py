@@ -9,6 +9,11 @@ from typing import Optional
 from prefixserve.sampling_params import SamplingParams
 
 
+def child_request_id(parent_id: str, index: int) -> str:
+    """The id of sample `index` (>= 1) of an n > 1 request, forked from sample 0 after the prompt."""
+    return f"{parent_id}#{index}"
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

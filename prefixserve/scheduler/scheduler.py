@@ -13,18 +13,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from prefixserve.kv import KVCacheManager
+from prefixserve.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, QueueFullError
+from prefixserve.kv import Allocation, KVCacheManager
 from prefixserve.scheduler.config import SchedulerConfig
 from prefixserve.scheduler.output import ScheduledSequence, SchedulerOutput
-from prefixserve.scheduler.request import Request, RequestStatus
-
-
-class RequestRejected(ValueError):
-    """A request that can never be served (too long, bad shape); nothing was scheduled."""
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at its bound; the caller should retry later."""
+from prefixserve.scheduler.request import Request, RequestStatus, child_request_id
 
 
 @dataclass
@@ -50,36 +43,40 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._failed: list[str] = []
+        # Requests the worker holds a block table row for, and those whose rows it must drop next.
+        self._worker_rows: set[str] = set()
+        self._dropped: list[str] = []
 
     # ----------------------------------------------------------------- intake
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
-            raise RequestRejected(f"request id {req.request_id!r} is already in use")
+            raise DuplicateRequestError(f"request id {req.request_id!r} is already in use",
+                                        param="request_id")
         self.check_fits(req.num_prompt_tokens, req.max_tokens)
         if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
-            raise QueueFull(f"waiting queue is full ({self.config.max_waiting} requests)")
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raises RequestRejected for a request that no amount of waiting would let run."""
+        """Raises an InvalidRequestError for a request that no amount of waiting would let run."""
         if num_prompt_tokens == 0:
-            raise RequestRejected("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         total = num_prompt_tokens + max_tokens
         if num_prompt_tokens >= self.config.max_model_len:
-            raise RequestRejected(
+            raise PromptTooLongError(
                 f"prompt has {num_prompt_tokens} tokens; max_model_len is {self.config.max_model_len} "
-                "and at least one token must be generated")
+                "and at least one token must be generated", param="prompt")
         if total > self.config.max_model_len:
-            raise RequestRejected(
+            raise PromptTooLongError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-                f"exceeds max_model_len ({self.config.max_model_len})")
+                f"exceeds max_model_len ({self.config.max_model_len})", param="prompt")
         blocks = -(-total // self.kv.block_size)
         if blocks > self.kv.num_blocks:
-            raise RequestRejected(
+            raise PromptTooLongError(
                 f"prompt + max_tokens needs {blocks} KV blocks but the whole pool has "
-                f"{self.kv.num_blocks}; raise kv_cache_memory or num_kv_blocks")
+                f"{self.kv.num_blocks}; raise kv_cache_memory or num_kv_blocks", param="prompt")
 
     # --------------------------------------------------------------- planning
     def schedule(self) -> SchedulerOutput:
@@ -112,13 +109,14 @@ class Scheduler:
             out.block_copies.extend(alloc.copies)
             budget -= num_new
             scheduled.add(req.request_id)
-            out.sequences.append(self._plan(req, num_new))
+            out.sequences.append(self._plan(req, num_new, alloc))
 
         # New work only joins a step that did not have to take memory back.
         if not out.preempted_ids:
             self._admit_waiting(out, budget, scheduled)
         if out.is_empty and not self.running and self.waiting:
             self._fail_unservable(self.waiting[0])
+        out.dropped_ids = self.take_dropped_ids()
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set[str]) -> None:
@@ -151,9 +149,9 @@ class Scheduler:
             self.running.append(req)
             budget -= num_new
             scheduled.add(req.request_id)
-            out.sequences.append(self._plan(req, num_new))
+            out.sequences.append(self._plan(req, num_new, alloc))
 
-    def _plan(self, req: Request, num_new: int) -> ScheduledSequence:
+    def _plan(self, req: Request, num_new: int, alloc: Allocation) -> ScheduledSequence:
         start = req.num_computed_tokens
         end = start + num_new
         self.stats.computed_prompt_tokens += max(0, min(end, req.num_prompt_tokens) - start)
@@ -162,14 +160,28 @@ class Scheduler:
         sample = end == req.num_tokens
         fan_out = req.sampling_params.n if (sample and req.sample_index == 0
                                             and req.num_output_tokens == 0) else 1
-        return ScheduledSequence(
-            request_id=req.request_id,
-            token_ids=req.all_token_ids[start:end],
-            start_pos=start,
-            block_table=self.kv.block_table(req.request_id),
-            sample=sample,
-            num_samples=fan_out,
-        )
+        seq = ScheduledSequence(request_id=req.request_id, token_ids=req.all_token_ids[start:end],
+                                start_pos=start, sample=sample, num_samples=fan_out)
+        # The worker's row is the table as last sent plus the blocks appended since; a copy-on-write
+        # swap changes an entry in place, so then (and for a row it lacks) the whole table goes.
+        if alloc.copies or req.request_id not in self._worker_rows:
+            self._worker_rows.add(req.request_id)
+            seq.full_block_table = self.kv.block_table(req.request_id)
+        else:
+            seq.new_block_ids = alloc.new_block_ids
+        return seq
+
+    def _drop_worker_row(self, request_id: str) -> None:
+        if request_id in self._worker_rows:
+            self._worker_rows.remove(request_id)
+            self._dropped.append(request_id)
+
+    def take_dropped_ids(self) -> list[str]:
+        """Requests freed since the last call whose block tables the worker still holds.
+
+        Every plan carries them; an engine going idle hands them to the worker itself."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
 
     def _importance(self, req: Request) -> tuple[int, float, int]:
         # Smaller sorts first: higher priority (under the priority policy), then
@@ -184,6 +196,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req.request_id)
+        self._drop_worker_row(req.request_id)
         self.running.remove(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -241,7 +254,7 @@ class Scheduler:
 
     def _fork(self, parent: Request, index: int) -> Request:
         child = Request(
-            request_id=f"{parent.request_id}#{index}",
+            request_id=child_request_id(parent.request_id, index),
             prompt_token_ids=parent.prompt_token_ids,
             sampling_params=parent.sampling_params,
             max_tokens=parent.max_tokens,
@@ -272,10 +285,27 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(request_id)
+        self._drop_worker_row(request_id)
         req.status = status
         if stop_reason is not None:
             req.stop_reason = stop_reason
         req.finished_time = self.clock()
+
+    def stop_request(self, request_id: str, stop_reason: str) -> None:
+        """Ends a request on a stop string its engine found in the text. The token that
+        completed the string may also have ended the request in this step (a length limit, a
+        stop token): the stop string explains the end better, so it wins."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is RequestStatus.FINISHED_ABORTED:
+            return
+        if req.is_finished:
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_reason
+        else:
+            self.finish_request(request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
+
+    def get_request(self, request_id: str) -> Request:
+        """A request the scheduler holds, for reading: only the scheduler changes its state."""
+        return self.requests[request_id]
 
     def abort(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:

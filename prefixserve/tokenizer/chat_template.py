@@ -19,14 +19,11 @@ import jinja2.ext
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from prefixserve.errors import ChatTemplateError
 from prefixserve.tokenizer.hf_files import ChatTemplateSource
 
 # Message fields that carry reasoning; templates read the first, gpt-oss templates read "thinking".
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-
-class ChatTemplateError(ValueError):
-    """The chat template cannot be used for this conversation (missing, malformed or it raised)."""
 
 
 def _raise_exception(message: str) -> None:

@@ -98,9 +98,17 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. add_special_tokens applies tokenizer.json's post-processor (e.g. a BOS)."""
+        return self.encoding(text, add_special_tokens).ids
+
+    def encoding(self, text: str, add_special_tokens: bool = False) -> tokenizers.Encoding:
+        """The backend's Encoding of `text` (ids plus character offsets).
+
+        Goes through encode_batch: unlike encode, it releases the GIL while it works, so a
+        server tokenizing a huge prompt on a worker thread keeps its event loop running
+        (30k tokens: 45 ms during which no other Python thread ran)."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. Ids >= vocab_size are dropped; skip_special_tokens drops special added tokens."""

@@ -1,28 +1,55 @@
 """Owns the model and its KV pool; runs one forward pass per scheduling step.
 
 The runner knows nothing of requests or caching policy: it receives a plan of
-sequences (which tokens, at which positions, through which block table),
-flattens it into tensors, copies blocks for copy-on-write, runs the model once
-over every sequence together and samples the rows that asked for it.
+sequences (which tokens, at which positions, what changed in their block
+tables), keeps every running request's block table between steps, flattens the
+plan into tensors, copies blocks for copy-on-write, runs the model once over
+every sequence together and samples the rows that asked for it.
+
+`prepare_inputs` is the host half of a step (block tables, input arrays, the
+attention backend's per-step plan) and `execute` the whole step, so the host
+cost can be measured alone (`benchmarks/host_step.py`).
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Sequence
 
+import numpy as np
 import torch
 
-from prefixserve.model.attention.metadata import AttentionMetadata
+from prefixserve.model.attention.metadata import AttentionMetadata, token_layout
 from prefixserve.model.kv_layout import kv_cache_bytes_per_block, kv_cache_shape
 from prefixserve.model.loader import LoadedModel
+from prefixserve.model.native.report import load_all
+from prefixserve.worker.block_tables import BlockTables
 from prefixserve.worker.sampler import SampleResult, Sampler, SamplingRow
 
 
 class PlannedSequence(Protocol):
+    request_id: str
     token_ids: list[int]
     start_pos: int
-    block_table: list[int]
     sample: bool
     num_samples: int
+    full_block_table: Optional[list[int]]
+    new_block_ids: list[int]
+
+
+class PlannedStep(Protocol):
+    """A step's plan as the scheduler writes it (scheduler/output.py documents the fields)."""
+    sequences: Sequence[PlannedSequence]
+    block_copies: Sequence[tuple[int, int]]
+    dropped_ids: Sequence[str]
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor      # [T] int64
+    positions: torch.Tensor      # [T] int64
+    attn_metadata: Any           # what the attention backend built for this step
+    logit_rows: torch.Tensor     # [R] int64: the flat-batch row behind each sample drawn
+    num_logit_rows: int
 
 
 def num_blocks_for_memory(loaded: LoadedModel, block_size: int, kv_cache_memory: int) -> int:
@@ -39,14 +66,19 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.dtype = next(self.model.parameters()).dtype
+        # the model was loaded onto the engine's device: the pool, inputs and sampling follow it
         self.device = next(self.model.parameters()).device
         shape = kv_cache_shape(self.config, num_blocks, block_size)
         # zeros, not empty: a slot read before it is written must never hold NaNs
         # that a masked-out attention weight of 0 would still turn into NaN.
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.config.num_hidden_layers)]
-        self.sampler = Sampler(vocab_limit)
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.block_tables = BlockTables()
+        self.sampler = Sampler(vocab_limit, device=self.device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        # Built now, not on the first request: the first request is not slowed by compiles,
+        # and which kernels are active (and why not) is known from the start.
+        self.kernels = load_all() if self.device.type == "cpu" else {}
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -60,40 +92,70 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache[:, dst] = cache[:, src]
 
+    def drop_requests(self, request_ids: Sequence[str]) -> None:
+        """Forgets the block tables of requests that ended (the engine's call when it goes idle)."""
+        for rid in request_ids:
+            self.block_tables.drop(rid)
+
+    def prepare_inputs(self, plan: PlannedStep) -> StepInputs | None:
+        """Applies the plan's block table changes and builds the step's input tensors and attention
+        metadata (the backend's per-step plan included); None when nothing is scheduled."""
+        tables = self.block_tables
+        self.drop_requests(plan.dropped_ids)
+        sequences = plan.sequences
+        if not sequences:
+            return None
+        num_seqs = len(sequences)
+        rows = np.empty(num_seqs, dtype=np.int64)
+        query_lens = np.empty(num_seqs, dtype=np.int64)
+        start_pos = np.empty(num_seqs, dtype=np.int64)
+        samples = np.zeros(num_seqs, dtype=np.int64)
+        input_ids: list[int] = []
+        for i, seq in enumerate(sequences):
+            if seq.full_block_table is not None:
+                rows[i] = tables.write(seq.request_id, seq.full_block_table)
+            elif seq.new_block_ids:
+                rows[i] = tables.append(seq.request_id, seq.new_block_ids)
+            else:
+                rows[i] = tables.row(seq.request_id)
+            query_lens[i] = len(seq.token_ids)
+            start_pos[i] = seq.start_pos
+            if seq.sample:
+                samples[i] = seq.num_samples
+            input_ids += seq.token_ids
+
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        seq_lens = start_pos + query_lens
+        width = int(tables.lengths[rows].max())
+        block_tables = tables.array[rows, :width]
+        layout = token_layout(query_start_loc, seq_lens)
+        common = AttentionMetadata.from_host(query_start_loc, seq_lens, block_tables, self.block_size,
+                                             self.device, layout)
+        logit_rows = np.repeat(query_start_loc[1:] - 1, samples)
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions=torch.from_numpy(layout[1]).to(self.device, non_blocking=True),
+            attn_metadata=self.model.attention_backend.build_metadata(common),
+            logit_rows=torch.from_numpy(logit_rows).to(self.device, non_blocking=True),
+            num_logit_rows=len(logit_rows),
+        )
+
     @torch.inference_mode()
-    def execute(self, sequences: Sequence[PlannedSequence], rows: Sequence[SamplingRow],
-                block_copies: Sequence[tuple[int, int]] = ()) -> SampleResult:
+    def execute(self, plan: PlannedStep, rows: Sequence[SamplingRow]) -> SampleResult:
         """One forward over every planned sequence; samples one row per entry of ``rows``.
 
         ``rows`` lists, in plan order, one SamplingRow per sample drawn: a sequence with
         ``sample`` set contributes ``num_samples`` rows, the others none.
         """
-        self.copy_blocks(block_copies)
-        if not sequences:
+        inputs = self.prepare_inputs(plan)
+        self.copy_blocks(plan.block_copies)
+        if inputs is None:
             return SampleResult(token_ids=[])
-        input_ids: list[int] = []
-        positions: list[int] = []
-        logit_rows: list[int] = []
-        for seq in sequences:
-            n = len(seq.token_ids)
-            input_ids.extend(seq.token_ids)
-            positions.extend(range(seq.start_pos, seq.start_pos + n))
-            if seq.sample:
-                logit_rows.extend([len(input_ids) - 1] * seq.num_samples)
-        if len(logit_rows) != len(rows):
-            raise ValueError(f"plan samples {len(logit_rows)} rows but {len(rows)} were described")
-        meta = AttentionMetadata.build(
-            query_lens=[len(s.token_ids) for s in sequences],
-            seq_lens=[s.start_pos + len(s.token_ids) for s in sequences],
-            block_tables=[list(s.block_table) for s in sequences],
-            block_size=self.block_size,
-            device=self.device,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
-        if not logit_rows:
+        if inputs.num_logit_rows != len(rows):
+            raise ValueError(f"plan samples {inputs.num_logit_rows} rows but {len(rows)} were described")
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        if not inputs.num_logit_rows:
             return SampleResult(token_ids=[])
-        picked = hidden.index_select(0, torch.tensor(logit_rows, dtype=torch.long, device=self.device))
-        logits = self.model.compute_logits(picked)
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
         return self.sampler(logits, rows, default_generator=self.generator)

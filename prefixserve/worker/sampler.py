@@ -35,10 +35,12 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, vocab_limit: Optional[int] = None) -> None:
+    def __init__(self, vocab_limit: Optional[int] = None, device: torch.device | str = "cpu") -> None:
         # Ids at or beyond the tokenizer's vocabulary decode to nothing; the
         # model's embedding may be larger (padded), so they are never sampled.
         self.vocab_limit = vocab_limit
+        # Where the logits arrive and sampling happens: every generator used here lives there too.
+        self.device = torch.device(device)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
                  default_generator: Optional[torch.Generator] = None) -> SampleResult:
@@ -62,17 +64,17 @@ class Sampler:
         tokens = torch.argmax(logits, dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
-            idx = torch.tensor(random_rows, dtype=torch.long)
+            idx = torch.tensor(random_rows, dtype=torch.long, device=self.device)
             sub = logits.index_select(0, idx)
             temps = torch.tensor([rows[i].params.temperature for i in random_rows],
-                                 dtype=sub.dtype).unsqueeze(1)
+                                 dtype=sub.dtype, device=self.device).unsqueeze(1)
             sub = _filter(sub / temps, [rows[i].params for i in random_rows])
             probs = torch.softmax(sub, dim=-1)
             for j, i in enumerate(random_rows):
                 gen = rows[i].generator or default_generator
                 # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p,
                 # using exactly one draw per vocabulary entry from this row's stream.
-                noise = torch.empty(vocab, dtype=probs.dtype).exponential_(generator=gen)
+                noise = torch.empty(vocab, dtype=probs.dtype, device=self.device).exponential_(generator=gen)
                 tokens[i] = torch.argmax(probs[j] / noise)
 
         token_list = tokens.tolist()
@@ -94,10 +96,11 @@ class Sampler:
 
 def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow, vocab: int) -> None:
     p = row.params
-    out = torch.tensor([t for t in row.output_token_ids if t < vocab], dtype=torch.long)
+    device = row_logits.device
+    out = torch.tensor([t for t in row.output_token_ids if t < vocab], dtype=torch.long, device=device)
     counts = torch.bincount(out, minlength=vocab).to(row_logits.dtype)
     if p.repetition_penalty != 1.0:
-        prompt = torch.tensor([t for t in row.prompt_token_ids if t < vocab], dtype=torch.long)
+        prompt = torch.tensor([t for t in row.prompt_token_ids if t < vocab], dtype=torch.long, device=device)
         seen = counts > 0
         seen[prompt] = True
         picked = row_logits[seen]
@@ -111,6 +114,7 @@ def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow, vocab: int) -> 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Applies top-k, top-p and min-p row by row, in one sort for the batch."""
+    device = logits.device
     top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
@@ -118,16 +122,16 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         return logits
     vocab = logits.shape[-1]
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    ranks = torch.arange(vocab).unsqueeze(0)
-    k = torch.tensor([v if v > 0 else vocab for v in top_k]).unsqueeze(1)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
+    k = torch.tensor([v if v > 0 else vocab for v in top_k], device=device).unsqueeze(1)
     drop = ranks >= k
     # top-p and min-p judge the distribution that top-k left, renormalised.
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-    p = torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
+    p = torch.tensor(top_p, dtype=probs.dtype, device=device).unsqueeze(1)
     # Keep the smallest set whose mass reaches p: drop a token once the mass
     # before it already reaches p (the first token always survives).
     drop |= (torch.cumsum(probs, dim=-1) - probs) >= p
-    m = torch.tensor(min_p, dtype=probs.dtype).unsqueeze(1)
+    m = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1)
     drop |= probs < m * probs[:, :1]
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))

@@ -5,8 +5,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
-from prefixserve.diagnose.render import RenderedRequest, Span
+from prefixserve.diagnose.render import RenderedRequest
 from prefixserve.diagnose.textdiff import normalize_whitespace
+from prefixserve.prompt import Span
 
 
 @dataclass
@@ -70,14 +71,6 @@ def excerpt(text: str, start: int, width: int = 70) -> str:
     hi = min(len(text), lo + width)
     out = text[lo:hi]
     return ("…" if lo > 0 else "") + out + ("…" if hi < len(text) else "")
-
-
-def first_difference(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def whitespace_equal(a: str, b: str) -> bool:

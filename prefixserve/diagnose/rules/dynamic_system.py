@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from prefixserve.diagnose.render import SYSTEM
 from prefixserve.diagnose.rules.base import Finding, Pair, excerpt, system_text
 from prefixserve.diagnose.textdiff import ChangedValue, changed_values, normalize_whitespace
+from prefixserve.prompt import SYSTEM
 
 MAX_VALUES = 6          # more changed places than this is a different prompt, not a few values
 MAX_VALUE_WORDS = 4

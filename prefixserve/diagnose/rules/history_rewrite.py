@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from prefixserve.diagnose.render import HISTORY
 from prefixserve.diagnose.rules.base import Finding, Pair, excerpt, message_key, whitespace_equal
+from prefixserve.prompt import HISTORY, common_prefix_len
 
 
 class HistoryRewrite:
@@ -21,10 +21,10 @@ class HistoryRewrite:
             return None
         a, b = old.messages, cur.messages
         start = 1 if b[0]["role"] == "system" else 0
-        first = next((i for i in range(start, min(len(a), len(b)))
-                      if message_key(a[i]) != message_key(b[i])), None)
+        first = start + common_prefix_len([message_key(m) for m in a[start:]],
+                                          [message_key(m) for m in b[start:]])
         # The differing message must be history in the current request and present earlier.
-        if first is None or first >= len(b) - 1:
+        if first >= min(len(a), len(b) - 1):
             return None
         x, y = a[first].get("content"), b[first].get("content")
         if isinstance(x, str) and isinstance(y, str) and whitespace_equal(x, y):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from prefixserve.diagnose.render import PROMPT, SYSTEM, TOOLS
 from prefixserve.diagnose.rules.base import Finding, Pair
+from prefixserve.prompt import PROMPT, SYSTEM, TOOLS
 
 MIN_SHARED_PROMPT_TOKENS = 2
 

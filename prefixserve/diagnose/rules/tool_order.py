@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from prefixserve.diagnose.render import TOOLS
 from prefixserve.diagnose.rules.base import Finding, Pair
+from prefixserve.prompt import TOOLS
 
 
 def tool_name(tool: dict) -> str:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from prefixserve.diagnose.render import PROMPT, SYSTEM
 from prefixserve.diagnose.rules.base import Finding, Pair, system_text
 from prefixserve.diagnose.rules.dynamic_system import small_change
 from prefixserve.diagnose.textdiff import changed_values, line_diff, normalize_whitespace
+from prefixserve.prompt import PROMPT, SYSTEM
 
 
 class VolatilePrefix:

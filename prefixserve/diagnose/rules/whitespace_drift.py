@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from prefixserve.diagnose.render import HISTORY, NEW_TURN, PROMPT, SYSTEM
-from prefixserve.diagnose.rules.base import Finding, Pair, excerpt, first_difference, system_text, whitespace_equal
+from prefixserve.diagnose.rules.base import Finding, Pair, excerpt, system_text, whitespace_equal
+from prefixserve.prompt import HISTORY, NEW_TURN, PROMPT, SYSTEM, common_prefix_len
 
 
 class WhitespaceDrift:
@@ -31,7 +31,7 @@ class WhitespaceDrift:
                     candidates.append((span, x["content"], y["content"]))
         for span, a, b in candidates:
             if whitespace_equal(a, b):
-                at = first_difference(a, b)
+                at = common_prefix_len(a, b)
                 return Finding(
                     self.id, pair.current.request_id, pair.earlier.request_id,
                     pair.position_in(span), span.label if span else "prompt",

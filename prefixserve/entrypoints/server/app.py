@@ -10,20 +10,20 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prefixserve.diagnose.live import MissExplainer
-from prefixserve.engine.async_llm import AsyncLLM
-from prefixserve.engine.llm_engine import LLMEngine
-from prefixserve.entrypoints.server.cached_contents import (create_cached_content,
-                                                            delete_cached_content,
-                                                            get_cached_content,
-                                                            list_cached_contents,
-                                                            update_cached_content)
-from prefixserve.entrypoints.server.chat import create_chat_completion
-from prefixserve.entrypoints.server.completions import create_completion
+from prefixserve.engine import AsyncLLM, LLMEngine
+from prefixserve.entrypoints.server.anthropic.messages import create_message
 from prefixserve.entrypoints.server.config import ServerConfig
-from prefixserve.entrypoints.server.errors import engine_error, install_error_handlers
-from prefixserve.entrypoints.server.messages import create_message
+from prefixserve.entrypoints.server.errors import install_error_handlers
 from prefixserve.entrypoints.server.metrics import ServerMetrics
-from prefixserve.entrypoints.server.protocol import ModelCard, ModelList
+from prefixserve.entrypoints.server.openai.chat import create_chat_completion
+from prefixserve.entrypoints.server.openai.completions import create_completion
+from prefixserve.entrypoints.server.openai.protocol import ModelCard, ModelList
+from prefixserve.entrypoints.server.prompting.cached_contents import (create_cached_content,
+                                                                      delete_cached_content,
+                                                                      get_cached_content,
+                                                                      list_cached_contents,
+                                                                      update_cached_content)
+from prefixserve.entrypoints.server.prompting.render_pool import RenderPool
 from prefixserve.entrypoints.server.state import ServerState, get_state
 
 
@@ -39,18 +39,21 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
     async_llm = AsyncLLM(engine, max_waiting=config.max_waiting) if owned else engine
     if not isinstance(async_llm, AsyncLLM):
         raise TypeError(f"build_app needs an LLMEngine or AsyncLLM, got {type(engine).__name__}")
-    model_name = config.served_model_name or async_llm.engine.config.model
+    model_name = config.served_model_name or async_llm.info.model
     state = ServerState(async_llm=async_llm, config=config, model_name=model_name,
                         metrics=ServerMetrics(async_llm.stats, model_name),
                         explainer=MissExplainer(async_llm.tokenizer.decode,
-                                                max_requests=config.diagnose_max_requests))
+                                                max_requests=config.diagnose_max_requests),
+                        renderer=RenderPool(async_llm.info.model))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_llm.start()
+        state.renderer.warm_up()
         try:
             yield
         finally:
+            state.renderer.shutdown()
             if owned:
                 async_llm.shutdown()
 
@@ -79,7 +82,9 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
         if not s.async_llm.is_running:
             reason = s.async_llm.dead_reason or "the engine loop is not running"
             return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        kernels = {name: {"active": k["active"], "reason": k["reason"]}
+                   for name, k in s.async_llm.info.kernels.items()}
+        return JSONResponse({"status": "ok", "kernels": kernels})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -88,11 +93,7 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:
-        s = get_state(request)
-        try:
-            dropped = await s.async_llm.run_in_engine(lambda e: e.reset_prefix_cache())
-        except Exception as exc:
-            raise engine_error(exc, param=None, retry_after_s=s.config.retry_after_s) from exc
+        dropped = await get_state(request).async_llm.reset_prefix_cache()
         return JSONResponse({"dropped_blocks": dropped})
 
     return app

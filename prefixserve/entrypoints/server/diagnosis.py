@@ -11,12 +11,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from prefixserve.diagnose.live import MissExplainer
-from prefixserve.diagnose.log_reader import LogRecord
-from prefixserve.diagnose.render import Renderer, Span
 from prefixserve.engine.outputs import RequestOutput
 from prefixserve.entrypoints.server.errors import bad_request
-from prefixserve.entrypoints.server.prompts import PreparedPrompt
-from prefixserve.entrypoints.server.protocol import DiagnoseFields
+from prefixserve.entrypoints.server.openai.protocol import DiagnoseFields
+from prefixserve.prompt import Span
 
 
 @dataclass(frozen=True)
@@ -41,23 +39,6 @@ def diagnose_ask(body: DiagnoseFields) -> Optional[DiagnoseAsk]:
     if against is None and not body.diagnose and not (nested and nested.diagnose):
         return None
     return DiagnoseAsk(against)
-
-
-def chat_spans(tokenizer, prompt: PreparedPrompt,
-               template_kwargs: Optional[dict[str, Any]] = None) -> Optional[list[Span]]:
-    """The parts (tools, system prompt, history message i, new turn, generation prompt) of a
-    chat prompt, by the diagnose Renderer; None when its rendering is not the prompt's tokens
-    (e.g. add_generation_prompt false), so that no part is ever misnamed."""
-    conversation = prompt.conversation
-    record = LogRecord(request_id="live", line=0,
-                       messages=[turn.template_message() for turn in conversation.turns],
-                       tools=[tool.spec for tool in conversation.tools] or None,
-                       chat_template_kwargs=dict(template_kwargs or {}))
-    try:
-        rendered = Renderer(tokenizer).render(record)
-    except ValueError:
-        return None
-    return rendered.spans if rendered.token_ids == prompt.token_ids else None
 
 
 @dataclass(frozen=True)

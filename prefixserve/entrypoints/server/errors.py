@@ -1,8 +1,14 @@
-"""Errors: OpenAI's shape {"error": {"message", "type", "param", "code"}} everywhere except the
-Anthropic Messages endpoint, which answers Anthropic's {"type": "error", "error": {"type", "message"}}."""
+"""Every error a client sees, decided in one place.
+
+The engine and the server raise the classes of `prefixserve.errors`; this module maps each
+class to an HTTP status and to OpenAI's body {"error": {"message", "type", "param", "code"}}
+everywhere except the Anthropic Messages endpoint, which answers Anthropic's
+{"type": "error", "error": {"type", "message"}}. `APIError` is the HTTP layer's own error for
+what only HTTP knows (an unknown model name, a malformed body). A client mistake is always a
+4xx naming the field; an error of no known class is a 500 whose body names no internals.
+"""
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from typing import Any, Optional
@@ -12,20 +18,32 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prefixserve.engine.async_llm import EngineDeadError, EngineStepError, RequestAbortedError
-from prefixserve.entrypoints.server.cache_control import CacheControlError
-from prefixserve.sampling_params import SamplingParams
-from prefixserve.scheduler import QueueFull, RequestRejected
+from prefixserve.errors import (CapacityError, ConflictError, DuplicateRequestError, EngineDeadError,
+                                EngineError, InvalidRequestError, NotFoundError, PinLimitError,
+                                PrefixServeError, QueueFullError, RequestAbortedError)
 
 logger = logging.getLogger(__name__)
 
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # Pydantic names union members and wrappers in error locations; they are not request fields.
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "tuple"}
 ANTHROPIC_PATH_PREFIX = "/v1/messages"
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 409: "invalid_request_error",
                     413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+# (class, HTTP status, OpenAI error type), most specific first: the first match wins.
+_STATUS: tuple[tuple[type[PrefixServeError], int, str], ...] = (
+    (QueueFullError, 429, "rate_limit_exceeded"),
+    (PinLimitError, 409, "invalid_request_error"),
+    (CapacityError, 503, "server_error"),
+    (DuplicateRequestError, 409, "invalid_request_error"),
+    (InvalidRequestError, 400, "invalid_request_error"),
+    (NotFoundError, 404, "not_found_error"),
+    (ConflictError, 409, "invalid_request_error"),
+    (RequestAbortedError, 499, "request_aborted"),
+    (EngineDeadError, 503, "server_error"),
+    (EngineError, 500, "server_error"),
+    (PrefixServeError, 500, "server_error"),
+)
 
 
 class APIError(Exception):
@@ -64,33 +82,31 @@ def bad_request(message: str, param: Optional[str] = None, code: Optional[str] =
     return APIError(400, message, param=param, code=code)
 
 
-def sampling_error(exc: ValueError, renames: Optional[dict[str, str]] = None) -> APIError:
-    """SamplingParams names the bad field first in its message; report it as the param."""
-    message = str(exc)
-    first = message.split(" ", 1)[0].strip("(:,")
-    param = first if first in _SAMPLING_FIELDS else None
-    if param is not None and renames and param in renames:
-        # The request spells this field differently (chat's top_logprobs is our logprobs).
-        message = renames[param] + message[len(first):]
-        param = renames[param]
-    return bad_request(message, param=param, code="invalid_value")
+def api_error(exc: BaseException, *, param: Optional[str] = None, retry_after_s: int = 1,
+              renames: Optional[dict[str, str]] = None) -> APIError:
+    """The HTTP error for anything the engine or the server raised.
 
-
-def engine_error(exc: BaseException, *, param: Optional[str], retry_after_s: int) -> APIError:
-    """Maps what AsyncLLM raises to the HTTP error a client should see."""
-    if isinstance(exc, QueueFull):
-        return APIError(429, str(exc), type="rate_limit_exceeded", code="queue_full",
-                        headers={"Retry-After": str(retry_after_s)})
-    if isinstance(exc, RequestRejected):
-        return bad_request(str(exc), param=param)
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), type="server_error", code="engine_dead")
-    if isinstance(exc, RequestAbortedError):
-        return APIError(499, str(exc), type="request_aborted")
-    if isinstance(exc, EngineStepError):
-        return APIError(500, str(exc), type="server_error", code="engine_error")
-    logger.error("unexpected engine error", exc_info=exc)
-    return APIError(500, f"internal error: {exc!r}", type="server_error")
+    param: the request field to blame when the error names none (e.g. "messages" for a
+    prompt the engine refused). renames: engine field names this endpoint spells differently
+    (chat's top_logprobs is the engine's logprobs)."""
+    if isinstance(exc, APIError):
+        return exc
+    for cls, status, kind in _STATUS:
+        if isinstance(exc, cls):
+            # the caller's field fills in only for a mistake in the request
+            field = exc.param or (param if isinstance(exc, InvalidRequestError) else None)
+            message = exc.message
+            if renames and field in renames:
+                if message.startswith(f"{field} must"):  # a field check: the client's spelling
+                    message = renames[field] + message[len(field):]
+                field = renames[field]
+            headers = {"Retry-After": str(retry_after_s)} if status in (429, 503) else None
+            if status >= 500:
+                logger.error("%s: %s", type(exc).__name__, message)
+            return APIError(status, message, type=kind, param=field if status < 500 else None,
+                            code=exc.code, headers=headers)
+    logger.error("unexpected error", exc_info=exc)
+    return APIError(500, "internal error; the server log has the details", type="server_error")
 
 
 def _param_of(loc: tuple) -> Optional[str]:
@@ -136,10 +152,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response(_anthropic(request))
 
-    @app.exception_handler(CacheControlError)
-    async def _cache_control(request: Request, exc: CacheControlError) -> JSONResponse:
-        return bad_request(str(exc), param=exc.param,
-                           code="invalid_cache_control").response(_anthropic(request))
+    @app.exception_handler(PrefixServeError)
+    async def _prefixserve(request: Request, exc: PrefixServeError) -> JSONResponse:
+        retry = request.app.state.server.config.retry_after_s
+        return api_error(exc, retry_after_s=retry).response(_anthropic(request))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -154,5 +170,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.error("unhandled error on %s", request.url.path, exc_info=exc)
-        return APIError(500, f"internal error: {exc!r}",
-                        type="server_error").response(_anthropic(request))
+        return api_error(exc).response(_anthropic(request))

@@ -1,5 +1,5 @@
-"""What every endpoint of one app reads: the engine front, settings, metrics and the miss
-explainer."""
+"""What every endpoint of one app reads: the engine front, settings, metrics, the miss
+explainer and the process that renders and tokenizes off the engine's cores."""
 from __future__ import annotations
 
 import time
@@ -11,10 +11,10 @@ from fastapi import Request
 
 from prefixserve.diagnose.live import MissExplainer
 from prefixserve.engine.async_llm import AsyncLLM
-from prefixserve.entrypoints.server.cached_content_registry import CachedContentRegistry
 from prefixserve.entrypoints.server.config import ServerConfig
 from prefixserve.entrypoints.server.errors import APIError, bad_request
 from prefixserve.entrypoints.server.metrics import ServerMetrics
+from prefixserve.entrypoints.server.prompting.render_pool import RenderPool
 
 
 @dataclass
@@ -25,8 +25,10 @@ class ServerState:
     metrics: ServerMetrics
     # Live cache-miss diagnosis: the last requests, keyed by the response ids clients saw.
     explainer: MissExplainer
+    # Chat templates and tokenization run there, so that one huge prompt delays only its own
+    # request, never the chunks of every running stream.
+    renderer: RenderPool
     created: int = field(default_factory=lambda: int(time.time()))
-    cached_contents: CachedContentRegistry = field(default_factory=CachedContentRegistry)
 
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:

@@ -1,4 +1,6 @@
-"""Prompt-cache accounting: tokens read from the cache, written (pinned) to it, and uncached.
+"""Usage accounting for both APIs, in one place: prompt, completion and cache tokens.
+
+Prompt-cache accounting: tokens read from the cache, written (pinned) to it, and uncached.
 
 read     = the request's num_cached_tokens (prefix-cache hit).
 written  = the block-aligned prefix this request pinned through cache_control, minus what it
@@ -8,16 +10,10 @@ The three add up to the prompt's tokens by construction.
 """
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
 
-from prefixserve.engine.outputs import CachePin, PinResult, RequestOutput
-from prefixserve.entrypoints.server.cache_control import TTL_SECONDS, Breakpoint
-
-logger = logging.getLogger(__name__)
-WARNING_HEADER = "prefixserve-cache-warning"
+from prefixserve.engine.outputs import RequestOutput
+from prefixserve.entrypoints.server.openai.protocol import PromptTokensDetails, Usage
 
 
 @dataclass(frozen=True)
@@ -41,61 +37,12 @@ class CacheUsage:
                 "cache_creation_input_tokens": self.written, "cache_read_input_tokens": self.read}
 
 
-@dataclass(frozen=True)
-class PinPlan:
-    """The breakpoints of one request and the engine pins they became, in the same order."""
-    breakpoints: list[Breakpoint]
-    ttl_scale: float
-    cached_content: Optional[str] = None
-
-    @property
-    def pins(self) -> list[CachePin]:
-        # A breakpoint before the first token (nothing precedes it) pins nothing.
-        return [CachePin(b.num_tokens, self._ttl_s(b)) for b in self.breakpoints if b.num_tokens > 0]
-
-    def _ttl_s(self, b: Breakpoint) -> float:
-        return TTL_SECONDS[b.ttl] * self.ttl_scale
-
-    def _paired(self, output: RequestOutput) -> list[tuple[Breakpoint, Optional[PinResult]]]:
-        results = iter(output.pins)  # the engine reports pins in the order they were asked
-        return [(b, next(results, None) if b.num_tokens > 0 else None) for b in self.breakpoints]
-
-    def report(self, output: RequestOutput, to_unix: Callable[[float], float]) -> Optional[dict[str, Any]]:
-        """The `prefixserve` extension object of a response (None when nothing to report)."""
-        if not self.breakpoints and self.cached_content is None:
-            return None
-        entries = [{
-            "where": b.where, "ttl": b.ttl, "ttl_seconds": self._ttl_s(b),
-            "prefix_tokens": b.num_tokens,
-            "pinned_tokens": result.pinned_tokens if result else 0,
-            "expires_at": (to_unix(result.expires_at)
-                           if result and result.expires_at is not None else None),
-            "error": result.error if result else None,
-        } for b, result in self._paired(output)]
-        report: dict[str, Any] = {"cache_breakpoints": entries}
-        if self.cached_content is not None:
-            report["cached_content"] = self.cached_content
-        return report
-
-    def warnings(self, output: RequestOutput) -> list[str]:
-        """One line per pin the engine refused (logged, and sent as a response header)."""
-        lines = [f"cache_control at {b.where} was not pinned: {result.error}"
-                 for b, result in self._paired(output) if result is not None and result.error]
-        for line in lines:
-            logger.warning("request %s: %s", output.request_id, line)
-        return lines
-
-
-def warning_headers(lines: list[str]) -> dict[str, str]:
-    if not lines:
-        return {}
-    # Header values must be one line of latin-1 text.
-    value = "; ".join(lines).replace("\n", " ").encode("latin-1", "replace").decode("latin-1")
-    return {WARNING_HEADER: value}
-
-
-def unix_time(clock: Callable[[], float]) -> Callable[[float], float]:
-    """Maps times of the engine's clock to Unix time, as of now."""
-    def to_unix(t: float) -> float:
-        return round(time.time() + (t - clock()), 3)
-    return to_unix
+def usage_of(outputs: list[RequestOutput]) -> Usage:
+    """OpenAI's usage object over every prompt of one HTTP request."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    caches = [CacheUsage.of(o) for o in outputs]
+    details = PromptTokensDetails(cached_tokens=sum(c.read for c in caches),
+                                  cache_write_tokens=sum(c.written for c in caches))
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=details)

@@ -9,14 +9,19 @@ batched matmul (their queries stacked), and to its own remaining blocks (the
 exactly through their log-sum-exps (the cascade / split-K trick of FlashInfer
 and flash-decoding).
 
-The plan depends only on host lists, so it is built once per step and read by
-every layer.
+The plan depends only on the step's host arrays, so the torch backend builds it
+once per step (array operations over the block tables, a Python loop only over
+groups of sequences that share a first block) and every layer reads it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
+
+from prefixserve.model.attention.metadata import AttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -26,67 +31,85 @@ class SharedRun:
     blocks: torch.Tensor   # [P] int64: physical ids of the shared leading blocks
 
 
-@dataclass(frozen=True)
+@dataclass
 class DecodePlan:
     """Every single-token query of a step, in the order of `rows`."""
     rows: torch.Tensor            # [N] int64: rows of the flat batch holding decode tokens
     all_rows: bool                # rows is 0..num_tokens-1: no gather or scatter needed
     suffix_tables: torch.Tensor   # [N, S_blocks] int64: blocks after each sequence's shared run, 0-padded
-    suffix_padding: torch.Tensor  # [N, 1, 1, S_blocks * block_size] bool: True where a slot is past the end
-    suffix_padded: bool           # any True in suffix_padding
+    suffix_padded: bool           # some suffix is shorter than S_blocks * block_size
     suffix_lens: torch.Tensor     # [N] int64: tokens in each sequence's suffix
     shared: tuple[SharedRun, ...]
+    block_size: int
+
+    @cached_property
+    def suffix_padding(self) -> torch.Tensor:
+        """[N, 1, 1, S_blocks * block_size] bool: True where a suffix slot is past the sequence's end.
+        Only the gather path masks with it; the native kernel takes the lengths."""
+        slots = torch.arange(self.suffix_tables.shape[1] * self.block_size, device=self.suffix_lens.device)
+        return (slots[None, :] >= self.suffix_lens[:, None])[:, None, None, :]
 
 
-def plan_decode(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                block_size: int, device: torch.device | str) -> DecodePlan | None:
-    seqs = [s for s, q in enumerate(query_lens) if q == 1]
-    if not seqs:
+def plan_decode(meta: AttentionMetadata) -> DecodePlan | None:
+    starts = meta.query_start_loc_cpu
+    decoding = np.flatnonzero(starts[1:] - starts[:-1] == 1)
+    if not len(decoding):
         return None
-    rows: list[int] = []
-    start = 0
-    for s, q in enumerate(query_lens):
-        if q == 1:
-            rows.append(start)
-        start += q
+    bs = meta.block_size
+    if len(decoding) == meta.num_seqs:
+        tables, lens = meta.block_tables_cpu, meta.seq_lens_cpu   # the common decode step: no copy
+    else:
+        tables, lens = meta.block_tables_cpu[decoding], meta.seq_lens_cpu[decoding]
+    shared_blocks = np.zeros(len(decoding), dtype=np.int64)
+    runs = [] if len(decoding) < 2 else _shared_runs(tables, lens, bs, shared_blocks)
 
-    shared_blocks = [0] * len(seqs)
-    runs: list[tuple[list[int], list[int]]] = []
-    by_first_block: dict[int, list[int]] = {}
-    for i, s in enumerate(seqs):
-        by_first_block.setdefault(block_tables[s][0], []).append(i)
-    for members in by_first_block.values():
-        if len(members) < 2:
+    used = -(-lens // bs)
+    width = int((used - shared_blocks).max())
+    columns = shared_blocks[:, None] + np.arange(width)
+    inside = columns < used[:, None]
+    np.minimum(columns, tables.shape[1] - 1, out=columns)
+    suffix_tables = np.where(inside, np.take_along_axis(tables, columns, axis=1), 0)
+    suffix_lens = lens - shared_blocks * bs
+    device = meta.seq_lens.device
+    return DecodePlan(
+        rows=_tensor(starts[decoding], device),
+        all_rows=len(decoding) == meta.num_tokens,
+        suffix_tables=_tensor(suffix_tables, device),
+        suffix_padded=bool((suffix_lens != width * bs).any()),
+        suffix_lens=_tensor(suffix_lens, device),
+        shared=tuple(SharedRun(members=_tensor(m, device), blocks=_tensor(b, device)) for m, b in runs),
+        block_size=bs,
+    )
+
+
+def _shared_runs(tables: np.ndarray, lens: np.ndarray, block_size: int,
+                 shared_blocks: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(members, blocks) of each group of decode sequences whose tables start with the same blocks;
+    records each member's run length in shared_blocks."""
+    first = tables[:, 0]
+    order = np.argsort(first, kind="stable")   # stable: members stay in row order
+    ordered = first[order]
+    bounds = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
+    group_starts = np.concatenate(([0], bounds))
+    group_ends = np.concatenate((bounds, [len(first)]))
+    runs = []
+    for begin, end in zip(group_starts.tolist(), group_ends.tolist()):
+        if end - begin < 2:
             continue
+        members = order[begin:end]
         # A run must stop before each member's last token: the slot just written is
         # read through the member's own suffix, so no suffix is ever empty.
-        limit = min((seq_lens[seqs[i]] - 1) // block_size for i in members)
-        first = block_tables[seqs[members[0]]]
-        length = 0
-        while length < limit and all(block_tables[seqs[i]][length] == first[length] for i in members):
-            length += 1
+        limit = int(((lens[members] - 1) // block_size).min())
+        if limit == 0:
+            continue
+        leading = tables[members, :limit]
+        agree = (leading == leading[0]).all(axis=0)
+        length = limit if agree.all() else int(agree.argmin())
         if length:
-            runs.append((members, first[:length]))
-            for i in members:
-                shared_blocks[i] = length
+            runs.append((members, leading[0, :length].copy()))
+            shared_blocks[members] = length
+    return runs
 
-    suffixes = []
-    for i, s in enumerate(seqs):
-        used = -(-seq_lens[s] // block_size)
-        suffixes.append(block_tables[s][shared_blocks[i]:used])
-    width = max(len(t) for t in suffixes)
-    as_long = dict(dtype=torch.long, device=device)
-    suffix_lens = torch.tensor([seq_lens[s] - shared_blocks[i] * block_size for i, s in enumerate(seqs)],
-                               **as_long)
-    slots = torch.arange(width * block_size, device=device)
-    padded = any(seq_lens[s] - shared_blocks[i] * block_size != width * block_size for i, s in enumerate(seqs))
-    return DecodePlan(
-        rows=torch.tensor(rows, **as_long),
-        all_rows=len(rows) == start,
-        suffix_tables=torch.tensor([t + [0] * (width - len(t)) for t in suffixes], **as_long),
-        suffix_padding=(slots[None, :] >= suffix_lens[:, None])[:, None, None, :],
-        suffix_padded=padded,
-        suffix_lens=suffix_lens,
-        shared=tuple(SharedRun(members=torch.tensor(m, **as_long), blocks=torch.tensor(b, **as_long))
-                     for m, b in runs),
-    )
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device, non_blocking=True)

@@ -1,17 +1,17 @@
 """What one forward pass needs to know about the sequences packed into it.
 
-The model runner builds this once per step; every attention layer reads it.
-Token rows are packed sequence after sequence: the new tokens of sequence s
-are rows ``query_start_loc[s]:query_start_loc[s + 1]`` of the flat batch.
+The model runner builds this once per step from host arrays; the attention
+backend turns it into its own per-step plan (`AttentionBackend.build_metadata`).
+Token rows are packed sequence after sequence: the new tokens of sequence s are
+rows ``query_start_loc[s]:query_start_loc[s + 1]`` of the flat batch, and they
+are the last positions of its context.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
+import numpy as np
 import torch
-
-from prefixserve.model.attention.cascade import DecodePlan, plan_decode
 
 
 @dataclass
@@ -27,10 +27,11 @@ class AttentionMetadata:
     # [num_seqs, max_blocks] int64: physical block ids, padded with 0.
     block_tables: torch.Tensor
     block_size: int
-    # Host copies, so backends can plan without reading tensors back.
-    query_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
-    block_tables_cpu: list[list[int]]
+    # Host copies (int64 numpy arrays), so backends can plan without reading device tensors back.
+    query_start_loc_cpu: np.ndarray
+    seq_lens_cpu: np.ndarray
+    block_tables_cpu: np.ndarray
+    max_query_len: int
 
     @property
     def num_seqs(self) -> int:
@@ -38,13 +39,36 @@ class AttentionMetadata:
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.query_lens_cpu)
+        return int(self.query_start_loc_cpu[-1])
 
-    @cached_property
-    def decode_plan(self) -> DecodePlan | None:
-        """The step's single-token queries grouped by shared leading blocks; planned once, read by every layer."""
-        return plan_decode(self.query_lens_cpu, self.seq_lens_cpu, self.block_tables_cpu, self.block_size,
-                           self.slot_mapping.device)
+    @property
+    def query_lens_cpu(self) -> np.ndarray:
+        return np.diff(self.query_start_loc_cpu)
+
+    @classmethod
+    def from_host(cls, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
+                  block_size: int, device: torch.device | str = "cpu",
+                  layout: tuple[np.ndarray, np.ndarray] | None = None) -> "AttentionMetadata":
+        """From int64 host arrays: query_start_loc [S + 1], seq_lens [S], block_tables [S, W] (0-padded).
+
+        `layout` is token_layout(query_start_loc, seq_lens) when the caller computed it already.
+        The arrays are handed to the tensors without a copy where the device is the CPU.
+        """
+        seq_of_token, positions = layout if layout is not None else token_layout(query_start_loc, seq_lens)
+        slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        num_seqs = len(seq_lens)
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_seqs else 0
+        return cls(
+            slot_mapping=_to_device(slots, device),
+            query_start_loc=_to_device(query_start_loc, device),
+            seq_lens=_to_device(seq_lens, device),
+            block_tables=_to_device(block_tables, device),
+            block_size=block_size,
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+            block_tables_cpu=block_tables,
+            max_query_len=max_query_len,
+        )
 
     @classmethod
     def build(
@@ -55,34 +79,35 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> "AttentionMetadata":
-        """Builds the metadata from per-sequence host lists.
-
-        Each sequence's new tokens occupy the last ``query_len`` positions of
-        its context, so their slots follow from its block table.
-        """
+        """Builds the metadata from per-sequence host lists (tests, micro-benchmarks), checking them."""
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError("query_lens, seq_lens and block_tables differ in length")
-        slots: list[int] = []
         for q, n, table in zip(query_lens, seq_lens, block_tables):
             if q < 0 or q > n:
                 raise ValueError(f"query length {q} outside [0, {n}]")
             if len(table) * block_size < n:
                 raise ValueError(f"block table of {len(table)} blocks cannot hold {n} tokens")
-            for pos in range(n - q, n):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
         width = max((len(t) for t in block_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
-        starts = [0]
-        for q in query_lens:
-            starts.append(starts[-1] + q)
-        as_long = dict(dtype=torch.long, device=device)
-        return cls(
-            slot_mapping=torch.tensor(slots, **as_long),
-            query_start_loc=torch.tensor(starts, **as_long),
-            seq_lens=torch.tensor(seq_lens, **as_long),
-            block_tables=torch.tensor(padded, **as_long).reshape(len(block_tables), width),
-            block_size=block_size,
-            query_lens_cpu=list(query_lens),
-            seq_lens_cpu=list(seq_lens),
-            block_tables_cpu=[list(t) for t in block_tables],
-        )
+        padded = np.zeros((len(block_tables), width), dtype=np.int64)
+        for row, table in zip(padded, block_tables):
+            row[:len(table)] = table
+        starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=starts[1:])
+        return cls.from_host(starts, np.array(seq_lens, dtype=np.int64).reshape(-1), padded, block_size, device)
+
+
+def token_layout(query_start_loc: np.ndarray, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sequence index, position) of every token row of the flat batch, as int64 arrays."""
+    num_seqs = len(seq_lens)
+    num_tokens = int(query_start_loc[-1])
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    if num_tokens == num_seqs and (query_lens == 1).all():
+        # the common decode step: one query token per sequence
+        return np.arange(num_seqs, dtype=np.int64), seq_lens - 1
+    seq_of_token = np.repeat(np.arange(num_seqs, dtype=np.int64), query_lens)
+    first_position = seq_lens - query_lens - query_start_loc[:-1]
+    return seq_of_token, np.arange(num_tokens, dtype=np.int64) + first_position[seq_of_token]
+
+
+def _to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    return torch.from_numpy(array).to(device, non_blocking=True)

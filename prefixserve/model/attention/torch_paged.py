@@ -7,16 +7,20 @@ from the pool (`native/paged_prefill_attention.c`); without it, each chunk
 gathers its sequence's blocks and runs one SDPA call. Every decode token of the
 step (query length 1) is answered together, reading each run of blocks shared
 by several sequences once (see cascade.py) and the rest through the native
-decode kernel or one padded gather.
+decode kernel or one padded gather. The decode plan is built once per step
+(`build_metadata`) and travels in this backend's own metadata type.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from prefixserve.model.attention.backend import AttentionBackend
-from prefixserve.model.attention.cascade import DecodePlan
+from prefixserve.model.attention.cascade import DecodePlan, plan_decode
 from prefixserve.model.attention.metadata import AttentionMetadata
+from prefixserve.model.attention.registry import register_backend
 from prefixserve.model.native import paged_prefill_attention
 from prefixserve.model.native.paged_decode_attention import PagedDecodeAttention, default_kernel
 
@@ -61,17 +65,31 @@ class GatherBuffer:
         return keys.flatten(0, 1), values.flatten(0, 1)
 
 
-class TorchPagedAttention(AttentionBackend):
-    name = "torch"
+@dataclass
+class TorchPagedMetadata:
+    """The torch backend's per-step metadata: the generic fields and the step's decode plan."""
+    common: AttentionMetadata
+    decode: DecodePlan | None
 
+
+# Plain torch ops run wherever torch does ("meta": models built for their shapes only); the native
+# kernels serve float32 on the CPU and step aside elsewhere. A faster backend for a device registers
+# a higher rank.
+@register_backend("torch", devices=("cpu", "cuda", "mps", "xpu", "meta"),
+                  dtypes=(torch.float32, torch.bfloat16, torch.float16), rank=0)
+class TorchPagedAttention(AttentionBackend):
     def __init__(self, use_native: bool = True) -> None:
         self._gather = GatherBuffer()
         # prefill chunks and decode read K/V straight from the pool where the native kernels are available
         self._decode_kernel = default_kernel() if use_native else None
         self._prefill_kernel = paged_prefill_attention.default_kernel() if use_native else None
 
+    def build_metadata(self, common: AttentionMetadata) -> TorchPagedMetadata:
+        return TorchPagedMetadata(common, plan_decode(common))
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                step: TorchPagedMetadata, scale: float) -> torch.Tensor:
+        meta = step.common
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         k_pool = kv_cache[0].view(-1, num_kv_heads, head_dim)
         v_pool = kv_cache[1].view(-1, num_kv_heads, head_dim)
@@ -79,7 +97,7 @@ class TorchPagedAttention(AttentionBackend):
         v_pool.index_copy_(0, meta.slot_mapping, v)
 
         out = q.new_empty(q.shape)
-        if any(n > 1 for n in meta.query_lens_cpu):
+        if meta.max_query_len > 1:
             kernel = self._prefill_kernel
             if kernel is not None and kernel.supports(q, kv_cache):
                 # every chunk of the step in one call, K/V read from the pool (its own already written there)
@@ -87,7 +105,7 @@ class TorchPagedAttention(AttentionBackend):
                        min_query_len=2, scratch=lambda n: self._gather.flat(n, torch.float32, q.device))
             else:
                 self._prefill(q, k, v, kv_cache, meta, scale, out)
-        plan = meta.decode_plan
+        plan = step.decode
         if plan is not None:
             kernel = self._decode_kernel
             if kernel is not None and not kernel.supports(q, kv_cache):
@@ -104,7 +122,7 @@ class TorchPagedAttention(AttentionBackend):
                  meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
         """The chunks of more than one query token, one SDPA call each, into their rows of out."""
         start = 0
-        for s, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        for s, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu.tolist(), meta.seq_lens_cpu.tolist())):
             if q_len > 1:
                 rows = slice(start, start + q_len)
                 if q_len == seq_len:
@@ -151,7 +169,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: fl
         # every member's queries against the run at once: [1, KVH, m * G, D] over [1, KVH, P, D]
         stacked = queries.index_select(0, members).transpose(0, 1).reshape(1, num_kv_heads, m * group, head_dim)
         if kernel is not None and m * group <= NATIVE_RUN_ROWS:
-            run_lens = torch.tensor([run.blocks.numel() * kv_cache.shape[2]])
+            run_lens = torch.tensor([run.blocks.numel() * kv_cache.shape[2]], device=q.device)
             run_out, run_lse = kernel(stacked, kv_cache, run.blocks[None], run_lens, scale)
         else:
             run_keys, run_values = gather(kv_cache, run.blocks)

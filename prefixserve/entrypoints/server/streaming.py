@@ -1,9 +1,12 @@
-"""What completions and chat share: submitting prompts, following them, and client disconnects."""
+"""What every generation endpoint shares: submitting prompts, following their outputs, aborting
+on client disconnect, and framing server-sent events (OpenAI's data lines, Anthropic's named
+events)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -12,10 +15,8 @@ from pydantic import BaseModel
 from prefixserve.engine.async_llm import AsyncLLM, RequestStream
 from prefixserve.engine.outputs import CachePin, RequestOutput
 from prefixserve.entrypoints.server.config import ServerConfig
-from prefixserve.entrypoints.server.errors import APIError, engine_error
+from prefixserve.entrypoints.server.errors import APIError, api_error
 from prefixserve.entrypoints.server.metrics import RequestRecorder, ServerMetrics
-from prefixserve.entrypoints.server.protocol import PromptTokensDetails, Usage
-from prefixserve.entrypoints.server.usage import CacheUsage
 from prefixserve.sampling_params import SamplingParams
 
 DONE_EVENT = "data: [DONE]\n\n"
@@ -94,7 +95,8 @@ class Generation:
         except APIError:
             raise
         except Exception as exc:
-            raise engine_error(exc, param=self.param, retry_after_s=self.config.retry_after_s)
+            raise api_error(exc, param=self.param, retry_after_s=self.config.retry_after_s,
+                            renames={"prompt": self.param})
 
     async def _abort_on_disconnect(self, request: Request) -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -146,23 +148,20 @@ async def submit(async_llm: AsyncLLM, config: ServerConfig, metrics: ServerMetri
         for rid in ids[:len(streams)]:
             async_llm.abort(rid)
         if isinstance(exc, Exception):
-            raise engine_error(exc, param=param, retry_after_s=config.retry_after_s) from exc
+            raise api_error(exc, param=param, retry_after_s=config.retry_after_s,
+                            renames={"prompt": param}) from exc
         raise
     return Generation(async_llm, ids, streams, [metrics.recorder() for _ in ids], config, param)
 
 
-def usage_of(outputs: list[RequestOutput]) -> Usage:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    caches = [CacheUsage.of(o) for o in outputs]
-    details = PromptTokensDetails(cached_tokens=sum(c.read for c in caches),
-                                  cache_write_tokens=sum(c.written for c in caches))
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=details)
-
-
 def sse(model: BaseModel) -> str:
+    """One OpenAI-style event: a data line holding the JSON body."""
     return f"data: {model.model_dump_json()}\n\n"
+
+
+def named_event(kind: str, data: dict[str, Any]) -> str:
+    """One Anthropic-style event: its kind named on an event line and again in the body's type."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
 
 class EventStream(StreamingResponse):

@@ -9,16 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from prefixserve.entrypoints.server.cache_control import (CacheControlError, Conversation,
-                                                          PromptRenderer, RenderedPrompt)
 from prefixserve.entrypoints.server.errors import bad_request
+from prefixserve.entrypoints.server.prompting.pins import PinPlan
+from prefixserve.entrypoints.server.prompting.render_pool import RenderedChat
 from prefixserve.entrypoints.server.state import ServerState
-from prefixserve.entrypoints.server.usage import PinPlan
+from prefixserve.errors import CacheControlError
+from prefixserve.prompt import Conversation
 
 
 @dataclass(frozen=True)
 class PreparedPrompt:
-    rendered: RenderedPrompt
+    rendered: RenderedChat
     plan: PinPlan
     cache_salt: Optional[str]
     conversation: Conversation   # what was rendered (a cached content's turns included)
@@ -31,10 +32,12 @@ class PreparedPrompt:
 async def prepare_prompt(state: ServerState, conversation: Conversation, *,
                          cached_content: Optional[str], cache_salt: Optional[str],
                          add_generation_prompt: bool = True,
-                         template_kwargs: Optional[dict[str, Any]] = None) -> PreparedPrompt:
+                         template_kwargs: Optional[dict[str, Any]] = None,
+                         with_spans: bool = False) -> PreparedPrompt:
+    """with_spans: also locate every part's token span (for a diagnosis)."""
     content = None
     if cached_content is not None:
-        content, _ = await state.cached_contents.find(state.async_llm, cached_content)
+        content, _ = await state.async_llm.find_cached_content(cached_content)
         if conversation.tools:
             raise bad_request("a request using cached_content takes its tools from the cached "
                               "content; do not send tools", param="tools")
@@ -45,14 +48,13 @@ async def prepare_prompt(state: ServerState, conversation: Conversation, *,
             raise bad_request("cache_salt differs from the cached content's salt, so the content "
                               "could never be reused", param="cache_salt")
         cache_salt = content.cache_salt
-        conversation = content.conversation.then(conversation)
-    renderer = PromptRenderer(state.async_llm.tokenizer, add_generation_prompt=add_generation_prompt,
-                              template_kwargs=template_kwargs)
+        conversation = content.payload.conversation.then(conversation)
     try:
-        rendered = renderer.render(conversation)
+        rendered = await state.renderer.render(conversation, add_generation_prompt=add_generation_prompt,
+                                               template_kwargs=template_kwargs, with_spans=with_spans)
     except CacheControlError:
         raise
-    except Exception as exc:  # template errors are the request's fault (roles, fields)
+    except (ValueError, TypeError, KeyError) as exc:  # the template's complaint about these messages
         raise bad_request(f"the chat template could not render these messages: {exc}",
                           param="messages") from None
     if content is not None and rendered.token_ids[:len(content.token_ids)] != content.token_ids:

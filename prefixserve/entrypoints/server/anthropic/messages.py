@@ -8,23 +8,24 @@ input_tokens / cache_creation_input_tokens / cache_read_input_tokens.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.outputs import CompletionOutput, RequestOutput
-from prefixserve.entrypoints.server.anthropic_protocol import MessagesRequest
-from prefixserve.entrypoints.server.cache_control import parse_cache_control
-from prefixserve.entrypoints.server.conversations import conversation_of
-from prefixserve.entrypoints.server.diagnosis import (LiveDiagnosis, chat_spans, diagnose_ask,
+from prefixserve.entrypoints.server.anthropic.protocol import MessagesRequest
+from prefixserve.prompt import parse_cache_control
+from prefixserve.entrypoints.server.prompting.conversations import conversation_of
+from prefixserve.entrypoints.server.diagnosis import (LiveDiagnosis, diagnose_ask,
                                                       with_diagnosis)
-from prefixserve.entrypoints.server.errors import APIError, sampling_error
-from prefixserve.entrypoints.server.generation import EventStream, Generation, submit
-from prefixserve.entrypoints.server.prompts import PreparedPrompt, prepare_prompt
+from prefixserve.entrypoints.server.errors import APIError, api_error
+from prefixserve.errors import InvalidRequestError
+from prefixserve.entrypoints.server.streaming import EventStream, Generation, named_event, submit
+from prefixserve.entrypoints.server.prompting.prompts import PreparedPrompt, prepare_prompt
 from prefixserve.entrypoints.server.state import ServerState, get_state, new_id
-from prefixserve.entrypoints.server.usage import CacheUsage, unix_time, warning_headers
+from prefixserve.entrypoints.server.prompting.pins import unix_time, warning_headers
+from prefixserve.entrypoints.server.usage import CacheUsage
 from prefixserve.sampling_params import SamplingParams
 
 
@@ -39,17 +40,17 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     if control is not None and last is not None and last.cache_control is None:
         last.cache_control = control
     prompt = await prepare_prompt(state, conversation, cached_content=body.cached_content,
-                                  cache_salt=body.cache_salt)
+                                  cache_salt=body.cache_salt, with_spans=ask is not None)
     try:
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=0 if body.top_k is None else body.top_k,
             max_tokens=body.max_tokens, stop=list(body.stop_sequences or []))
-    except ValueError as exc:
-        raise sampling_error(exc, renames={"stop": "stop_sequences"}) from None
+    except InvalidRequestError as exc:
+        raise api_error(exc, renames={"stop": "stop_sequences"}) from None
     live = LiveDiagnosis(state.explainer, ask, prompt.cache_salt,
-                         chat_spans(state.async_llm.tokenizer, prompt) if ask is not None else None)
+                         prompt.rendered.spans)
     gen = await submit(state.async_llm, state.config, state.metrics, new_id("msg"),
                        [prompt.token_ids], params, cache_salt=prompt.cache_salt,
                        priority=body.priority, param="messages", cache_pins=prompt.plan.pins)
@@ -76,7 +77,7 @@ def _message(state: ServerState, gen: Generation, prompt: PreparedPrompt, output
         "content": [], "stop_reason": None, "stop_sequence": None,
         "usage": CacheUsage.of(output).anthropic(len(output.outputs[0].token_ids)),
     }
-    report = prompt.plan.report(output, unix_time(state.async_llm.engine.clock))
+    report = prompt.plan.report(output, unix_time(state.async_llm.now))
     extension = with_diagnosis(report, live.finish(gen.request_ids[0], output)
                                if live is not None else None)
     if extension is not None:
@@ -94,16 +95,12 @@ def _stop(c: CompletionOutput) -> tuple[Optional[str], Optional[str]]:
     return None, None
 
 
-def _event(kind: str, data: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
-
-
 async def _events(state: ServerState, gen: Generation, prompt: PreparedPrompt,
                   live: LiveDiagnosis, first: RequestOutput,
                   rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
-    yield _event("message_start", {"message": _message(state, gen, prompt, first)})
-    yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-    yield _event("ping", {})
+    yield named_event("message_start", {"message": _message(state, gen, prompt, first)})
+    yield named_event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    yield named_event("ping", {})
     sent = 0
     last = first
     try:
@@ -112,7 +109,7 @@ async def _events(state: ServerState, gen: Generation, prompt: PreparedPrompt,
             last = output
             text = output.outputs[0].text
             if len(text) > sent:
-                yield _event("content_block_delta", {"index": 0, "delta": {
+                yield named_event("content_block_delta", {"index": 0, "delta": {
                     "type": "text_delta", "text": text[sent:]}})
                 sent = len(text)
             output = None if last.finished else (await anext(rest, (0, None)))[1]
@@ -121,11 +118,11 @@ async def _events(state: ServerState, gen: Generation, prompt: PreparedPrompt,
         return
     completion = last.outputs[0]
     stop_reason, stop_sequence = _stop(completion)
-    yield _event("content_block_stop", {"index": 0})
+    yield named_event("content_block_stop", {"index": 0})
     final = _message(state, gen, prompt, last, live)
     delta: dict[str, Any] = {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                              "usage": final["usage"]}
     if "prefixserve" in final:
         delta["prefixserve"] = final["prefixserve"]
-    yield _event("message_delta", delta)
-    yield _event("message_stop", {})
+    yield named_event("message_delta", delta)
+    yield named_event("message_stop", {})

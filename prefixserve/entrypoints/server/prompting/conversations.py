@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from prefixserve.entrypoints.server.cache_control import (CacheControlError, Conversation, Part,
-                                                          Tool, Turn, parse_cache_control)
+from prefixserve.errors import CacheControlError
+from prefixserve.prompt import Conversation, Part, Tool, Turn, parse_cache_control
 from prefixserve.entrypoints.server.errors import bad_request
-from prefixserve.entrypoints.server.protocol import ChatMessage
+from prefixserve.entrypoints.server.openai.protocol import ChatMessage
 
 
 def parts_of(content: Union[str, list, None], where: str) -> Optional[list[Part]]:
@@ -62,7 +62,8 @@ def chat_conversation(messages: list[ChatMessage], tools: Optional[list[dict[str
         control = parse_cache_control(fields.pop("cache_control", None), where)
         if control is not None and not isinstance(message.content, str):
             raise CacheControlError(f"{where}.cache_control on a message needs string content; "
-                                    f"mark one of its content parts instead", f"{where}.cache_control")
+                                    f"mark one of its content parts instead",
+                                    param=f"{where}.cache_control")
         content_where = where if isinstance(message.content, str) else f"{where}.content"
         parts = parts_of(message.content, content_where)
         if control is not None:

@@ -9,19 +9,20 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.outputs import CompletionOutput, RequestOutput
-from prefixserve.entrypoints.server.conversations import chat_conversation
-from prefixserve.entrypoints.server.diagnosis import (LiveDiagnosis, chat_spans, diagnose_ask,
+from prefixserve.entrypoints.server.prompting.conversations import chat_conversation
+from prefixserve.entrypoints.server.diagnosis import (LiveDiagnosis, diagnose_ask,
                                                       with_diagnosis)
-from prefixserve.entrypoints.server.errors import APIError, bad_request, sampling_error
-from prefixserve.entrypoints.server.generation import (DONE_EVENT, EventStream, Generation, sse,
-                                                       submit, usage_of)
-from prefixserve.entrypoints.server.prompts import PreparedPrompt, prepare_prompt
-from prefixserve.entrypoints.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
+from prefixserve.entrypoints.server.errors import APIError, api_error, bad_request
+from prefixserve.errors import InvalidRequestError
+from prefixserve.entrypoints.server.streaming import DONE_EVENT, EventStream, Generation, sse, submit
+from prefixserve.entrypoints.server.usage import usage_of
+from prefixserve.entrypoints.server.prompting.prompts import PreparedPrompt, prepare_prompt
+from prefixserve.entrypoints.server.openai.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                                      ChatCompletionChunk, ChatCompletionRequest,
                                                      ChatCompletionResponse, ChatLogprobs,
                                                      DeltaMessage, TokenLogprob, TopLogprob)
 from prefixserve.entrypoints.server.state import ServerState, get_state, new_id, token_text
-from prefixserve.entrypoints.server.usage import unix_time, warning_headers
+from prefixserve.entrypoints.server.prompting.pins import unix_time, warning_headers
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
@@ -36,16 +37,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     prompt = await prepare_prompt(state, chat_conversation(body.messages, body.tools),
                                   cached_content=body.cached_content, cache_salt=body.cache_salt,
                                   add_generation_prompt=body.add_generation_prompt,
-                                  template_kwargs=body.chat_template_kwargs)
+                                  template_kwargs=body.chat_template_kwargs, with_spans=ask is not None)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     try:
         params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-    except ValueError as exc:
-        raise sampling_error(exc, renames={"logprobs": "top_logprobs"}) from None
+    except InvalidRequestError as exc:
+        raise api_error(exc, renames={"logprobs": "top_logprobs"}) from None
     live = LiveDiagnosis(state.explainer, ask, prompt.cache_salt,
-                         chat_spans(state.async_llm.tokenizer, prompt, body.chat_template_kwargs)
-                         if ask is not None else None)
+                         prompt.rendered.spans)
     gen = await submit(state.async_llm, state.config, state.metrics, new_id("chatcmpl"),
                        [prompt.token_ids], params, cache_salt=prompt.cache_salt,
                        priority=body.priority, param="messages", cache_pins=prompt.plan.pins)
@@ -61,7 +61,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                                       model=state.model_name, choices=choices,
                                       usage=usage_of([output]))
     body_json = response.model_dump()
-    report = prompt.plan.report(output, unix_time(state.async_llm.engine.clock))
+    report = prompt.plan.report(output, unix_time(state.async_llm.now))
     extension = with_diagnosis(report, live.finish(gen.request_ids[0], output))
     if extension is not None:
         body_json["prefixserve"] = extension
@@ -92,7 +92,7 @@ async def _stream(state: ServerState, gen: Generation, body: ChatCompletionReque
                                        model=state.model_name, choices=choices))
 
     def extension(out: RequestOutput, diagnosis: Optional[dict]) -> Optional[dict]:
-        return with_diagnosis(prompt.plan.report(out, unix_time(state.async_llm.engine.clock)),
+        return with_diagnosis(prompt.plan.report(out, unix_time(state.async_llm.now)),
                               diagnosis)
 
     yield chunk([ChatChunkChoice(index=k, delta=DeltaMessage(role="assistant", content=""))

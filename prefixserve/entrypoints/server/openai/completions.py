@@ -10,10 +10,11 @@ from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.outputs import CompletionOutput, RequestOutput
 from prefixserve.entrypoints.server.diagnosis import LiveDiagnosis, diagnose_ask
-from prefixserve.entrypoints.server.errors import APIError, bad_request, sampling_error
-from prefixserve.entrypoints.server.generation import (DONE_EVENT, EventStream, Generation, sse,
-                                                       submit, usage_of)
-from prefixserve.entrypoints.server.protocol import (CompletionChoice, CompletionLogprobs,
+from prefixserve.entrypoints.server.errors import APIError, api_error, bad_request
+from prefixserve.errors import InvalidRequestError
+from prefixserve.entrypoints.server.streaming import DONE_EVENT, EventStream, Generation, sse, submit
+from prefixserve.entrypoints.server.usage import usage_of
+from prefixserve.entrypoints.server.openai.protocol import (CompletionChoice, CompletionLogprobs,
                                                      CompletionRequest, CompletionResponse)
 from prefixserve.entrypoints.server.state import ServerState, get_state, new_id, token_text
 
@@ -24,13 +25,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state.check_cache_salt(body.cache_salt)
     _reject_unsupported(body)
     live = LiveDiagnosis(state.explainer, diagnose_ask(body), body.cache_salt)
-    prompts = _prompt_token_ids(state, body.prompt)
+    prompts = await _prompt_token_ids(state, body.prompt)
     max_tokens = body.max_tokens if body.max_tokens is not None \
         else state.config.default_completion_max_tokens
     try:
         params = body.sampling_params(max_tokens, body.logprobs)
-    except ValueError as exc:
-        raise sampling_error(exc) from None
+    except InvalidRequestError as exc:
+        raise api_error(exc) from None
     gen = await submit(state.async_llm, state.config, state.metrics, new_id("cmpl"), prompts, params,
                        cache_salt=body.cache_salt, priority=body.priority, param="prompt")
     created = int(time.time())
@@ -73,22 +74,17 @@ def _reject_unsupported(body: CompletionRequest) -> None:
         raise bad_request("logit_bias is not supported", param="logit_bias", code="unsupported")
 
 
-def _prompt_token_ids(state: ServerState, prompt: Union[str, list]) -> list[list[int]]:
+async def _prompt_token_ids(state: ServerState, prompt: Union[str, list]) -> list[list[int]]:
     """Every accepted prompt form as a list of token-id prompts; token ids are checked by the engine."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
         prompt = [prompt]
-    if not prompt:
+    if not prompt or any(not p for p in prompt):
         raise bad_request("prompt is empty", param="prompt", code="empty_prompt")
-    token_ids: list[list[int]] = []
-    for p in prompt:
-        if not p:
-            raise bad_request("prompt is empty", param="prompt", code="empty_prompt")
-        if isinstance(p, str):
-            p = state.async_llm.tokenizer.encode(p, add_special_tokens=True)
-        token_ids.append(list(p))
-    return token_ids
+    texts = [p for p in prompt if isinstance(p, str)]
+    encoded = iter(await state.renderer.encode(texts, add_special_tokens=True) if texts else [])
+    return [next(encoded) if isinstance(p, str) else list(p) for p in prompt]
 
 
 def _choice(state: ServerState, index: int, c: CompletionOutput, text: str, token_start: int,

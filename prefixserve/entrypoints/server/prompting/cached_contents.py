@@ -7,30 +7,30 @@ is rendered as the content's conversation followed by the request's messages; th
 checks that the rendered prompt's tokens start with the content's tokens (400 otherwise),
 so the pinned blocks are a guaranteed hit.
 
-The KV manager's pins are the truth about liveness: a content whose pin expired (or was
-dropped by /reset_prefix_cache) is gone. Identical contents share one pin; it is released
-when the last of them is deleted.
+The engine keeps the contents (see prefixserve/engine/cached_contents.py): each operation is
+one atomic engine call, and a content is registered in the same call that pins it. A
+content whose pin expired (or was dropped by /reset_prefix_cache) is gone. Identical
+contents share one pin; it is released when the last of them is deleted.
 """
 from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from prefixserve.engine.outputs import CachePin
-from prefixserve.entrypoints.server.cache_control import PromptRenderer
-from prefixserve.entrypoints.server.cached_content_registry import CachedContent
-from prefixserve.entrypoints.server.conversations import conversation_of
+from prefixserve.engine import CachedContent, CachePin, PinInfo
 from prefixserve.entrypoints.server.errors import APIError, bad_request
-from prefixserve.entrypoints.server.generation import submit
-from prefixserve.entrypoints.server.protocol import StrictModel
+from prefixserve.entrypoints.server.openai.protocol import StrictModel
+from prefixserve.entrypoints.server.prompting.conversations import conversation_of
+from prefixserve.entrypoints.server.prompting.pins import unix_time
 from prefixserve.entrypoints.server.state import get_state, new_id
-from prefixserve.entrypoints.server.usage import unix_time
-from prefixserve.kv import PinInfo, PinLimitError
+from prefixserve.entrypoints.server.streaming import submit
+from prefixserve.prompt import Conversation
 from prefixserve.sampling_params import SamplingParams
 
 _TTL = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h)\s*$")
@@ -50,6 +50,22 @@ class CachedContentCreate(StrictModel):
 
 class CachedContentUpdate(StrictModel):
     ttl: Union[str, int, float]
+
+
+def describe(content: CachedContent, pin: PinInfo, to_unix) -> dict[str, Any]:
+    return {
+        "id": content.id, "object": "cached_content", "name": content.name,
+        "model": content.payload.model, "created": content.created,
+        "expire_time": None if pin.expires_at is None else to_unix(pin.expires_at),
+        "usage": {"total_tokens": len(content.token_ids), "cached_tokens": pin.num_tokens},
+    }
+
+
+@dataclass(frozen=True)
+class ContentPayload:
+    """What the server keeps with a content to use it again."""
+    model: str
+    conversation: Conversation
 
 
 def parse_ttl(value: Union[str, int, float], scale: float) -> float:
@@ -78,76 +94,58 @@ async def create_cached_content(body: CachedContentCreate, request: Request) -> 
     if not conversation.turns:
         raise bad_request("a cached content needs a system prompt or at least one message",
                           param="messages")
-    renderer = PromptRenderer(state.async_llm.tokenizer, add_generation_prompt=False,
-                              template_kwargs=body.chat_template_kwargs)
     try:
-        token_ids = renderer.render(conversation).token_ids
-    except ValueError as exc:
+        token_ids = (await state.renderer.render(conversation, add_generation_prompt=False,
+                                                 template_kwargs=body.chat_template_kwargs)).token_ids
+    except (ValueError, TypeError, KeyError) as exc:
         raise bad_request(f"the chat template could not render this content: {exc}",
                           param="messages") from None
-    block_size = state.async_llm.engine.config.block_size
+    block_size = state.async_llm.info.block_size
     if len(token_ids) < block_size:
         raise bad_request(f"the content renders to {len(token_ids)} tokens; the cache holds whole "
                           f"blocks of {block_size} tokens, so it needs at least {block_size}",
                           param="messages", code="content_too_short")
-    registry = state.cached_contents
-    if body.name is not None and any(body.name in (c.id, c.name) for c, _ in await registry.live(state.async_llm)):
+    if body.name is not None and await state.async_llm.cached_content_name_taken(body.name):
         raise APIError(409, f"a cached content named {body.name!r} already exists", param="name",
                        code="name_taken")
+    content = CachedContent(new_id("cc"), body.name, token_ids, body.cache_salt, int(time.time()),
+                            payload=ContentPayload(state.model_name, conversation))
     gen = await submit(state.async_llm, state.config, state.metrics, new_id("cc-prefill"),
                        [token_ids], SamplingParams(temperature=0.0, max_tokens=1),
                        cache_salt=body.cache_salt, priority=0, param="messages",
-                       cache_pins=[CachePin(len(token_ids), ttl_s)])
+                       cache_pins=[CachePin(len(token_ids), ttl_s, content=content)])
     (output,) = await gen.final_outputs(request)
     result = output.pins[0] if output.pins else None
     if result is None or result.error is not None or result.pin_id is None:
         reason = result.error if result and result.error else "prefix caching is off"
         raise APIError(409, f"the cached content could not be pinned: {reason}",
                        code="pin_limit" if result and result.error else "not_cacheable")
-    content = CachedContent(new_id("cc"), body.name, state.model_name, conversation, token_ids,
-                            body.cache_salt, result.pin_id, int(time.time()))
-    registry.add(content)
-    pin = PinInfo(result.pin_id, [], result.pinned_tokens, result.expires_at)
-    return JSONResponse(content.describe(pin, unix_time(state.async_llm.engine.clock)))
+    pin = PinInfo(result.pin_id, result.pinned_tokens, result.expires_at)
+    return JSONResponse(describe(content, pin, unix_time(state.async_llm.now)))
 
 
 async def list_cached_contents(request: Request) -> JSONResponse:
     state = get_state(request)
-    to_unix = unix_time(state.async_llm.engine.clock)
-    data = [c.describe(p, to_unix) for c, p in await state.cached_contents.live(state.async_llm)]
+    to_unix = unix_time(state.async_llm.now)
+    data = [describe(c, p, to_unix) for c, p in await state.async_llm.cached_contents()]
     return JSONResponse({"object": "list", "data": data})
 
 
 async def get_cached_content(key: str, request: Request) -> JSONResponse:
     state = get_state(request)
-    content, pin = await state.cached_contents.find(state.async_llm, key, param="key")
-    return JSONResponse(content.describe(pin, unix_time(state.async_llm.engine.clock)))
+    content, pin = await state.async_llm.find_cached_content(key, param="key")
+    return JSONResponse(describe(content, pin, unix_time(state.async_llm.now)))
 
 
 async def update_cached_content(key: str, body: CachedContentUpdate, request: Request) -> JSONResponse:
     state = get_state(request)
     ttl_s = parse_ttl(body.ttl, state.config.cache_ttl_scale)
-    content, _ = await state.cached_contents.find(state.async_llm, key, param="key")
-
-    def repin(engine) -> PinInfo:
-        # PATCH sets the expiry, shorter as well as longer.
-        return engine.kv.pin_prefix(content.token_ids, cache_salt=content.cache_salt,
-                                    num_tokens=len(content.token_ids), ttl_s=ttl_s, shorten=True)
-    try:
-        pin = await state.async_llm.run_in_engine(repin)
-    except PinLimitError as exc:
-        raise APIError(409, f"the cached content could not be pinned again: {exc}",
-                       code="pin_limit") from None
-    if pin.pin_id is None:
-        raise APIError(404, f"cached content {key!r} is no longer in the cache", type="not_found_error",
-                       param="key", code="cached_content_not_found")
-    content.pin_id = pin.pin_id
-    return JSONResponse(content.describe(pin, unix_time(state.async_llm.engine.clock)))
+    # PATCH sets the expiry, shorter as well as longer.
+    content, pin = await state.async_llm.repin_cached_content(key, ttl_s, param="key")
+    return JSONResponse(describe(content, pin, unix_time(state.async_llm.now)))
 
 
 async def delete_cached_content(key: str, request: Request) -> JSONResponse:
     state = get_state(request)
-    content, _ = await state.cached_contents.find(state.async_llm, key, param="key")
-    if state.cached_contents.remove(content):
-        await state.async_llm.run_in_engine(lambda e: e.kv.unpin(content.pin_id))
+    content = await state.async_llm.delete_cached_content(key, param="key")
     return JSONResponse({"id": content.id, "object": "cached_content.deleted", "deleted": True})

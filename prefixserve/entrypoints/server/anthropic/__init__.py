@@ -1,0 +1,1 @@
+"""The Anthropic-compatible Messages endpoint and its request body."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible endpoints: chat completions, completions, and their bodies."""
