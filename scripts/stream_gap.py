@@ -1,13 +1,17 @@
 """How long one large request stalls the streams already running on a server.
 
-    python scripts/stream_gap.py [--prompt-tokens 30000] [--streams 4]
+    python scripts/stream_gap.py [--case long-prompt|many-messages|template-loop|huge-body|all]
 
-Starts `prefixserve serve` on random:qwen3-tiny on a free loopback port, opens N streaming
-chat completions, and while they run sends one chat whose user message renders to about
---prompt-tokens tokens (refused as too long for the model, after it has been rendered and
-tokenized: that work is what could block the server). Prints the largest gap between two
-chunks of any running stream while the large request was being handled, next to the largest
-gap in a quiet window of the same length just before it.
+Starts `prefixserve serve` on random:qwen3-tiny on a free loopback port (trusting client chat
+templates, so that the template case is run rather than refused), opens N streaming chat
+completions, and while they run sends one large request:
+- long-prompt: a chat whose user message renders to about --prompt-tokens tokens (refused as
+  too long for the model, after it has been rendered and tokenized);
+- many-messages: a chat of 20,000 short messages;
+- template-loop: a client chat template that loops for ever (stopped by the render timeout);
+- huge-body: a 10 MB prompt (beyond the body bound).
+Prints the largest gap between two chunks of any running stream while the large request was
+handled, next to the largest gap in a quiet window of the same length just before it.
 """
 from __future__ import annotations
 
@@ -51,11 +55,53 @@ def largest_gap(stamps: list[list[float]], lo: float, hi: float) -> float:
     return worst
 
 
+CASES = ["long-prompt", "many-messages", "template-loop", "huge-body"]
+
+
+def large_request(case: str, prompt_tokens: int) -> dict:
+    rng = random.Random(0)
+    words = ["cache", "block", "prefix", "token", "engine", "stream", "server", "model"]
+    body = {"model": "random:qwen3-tiny", "max_tokens": 4}
+    if case == "long-prompt":
+        text = " ".join(rng.choice(words) + str(rng.randrange(1000)) for _ in range(prompt_tokens * 10 // 39))
+        return {**body, "messages": [{"role": "user", "content": text}]}
+    if case == "many-messages":
+        return {**body, "messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": rng.choice(words)}
+                                     for i in range(20_000)]}
+    if case == "template-loop":
+        return {**body, "messages": [{"role": "user", "content": "hi"}],
+                "chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"}
+    if case == "huge-body":
+        return {**body, "messages": [{"role": "user", "content": "x" * 10_000_000}]}
+    raise ValueError(case)
+
+
+async def measure(client: httpx.AsyncClient, case: str, args: argparse.Namespace) -> None:
+    body = large_request(case, args.prompt_tokens)
+    stamps: list[list[float]] = [[] for _ in range(args.streams)]
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(stream(client, s, stop)) for s in stamps]
+    await asyncio.sleep(2.0)  # streams under way
+    t0 = time.perf_counter()
+    r = await client.post("/v1/chat/completions", json=body)
+    t1 = time.perf_counter()
+    await asyncio.sleep(0.5)
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    window = max(t1 - t0, 0.05)
+    quiet = largest_gap(stamps, t0 - window - 0.2, t0 - 0.2)
+    busy = largest_gap(stamps, t0, t1)
+    message = r.json().get("error", {}).get("message", "") if r.status_code >= 400 else ""
+    print(f"{case}: answered {r.status_code} in {(t1 - t0) * 1e3:.0f} ms {message[:70]!r}; largest gap between "
+          f"chunks of {args.streams} streams: quiet {quiet * 1e3:.1f} ms, while it was handled {busy * 1e3:.1f} ms")
+
+
 async def main(args: argparse.Namespace) -> None:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "prefixserve.entrypoints.cli", "serve",
+    proc = subprocess.Popen([sys.executable, "-m", "prefixserve", "serve",
                              "--model", "random:qwen3-tiny", "--port", str(port), "--log-level",
-                             "warning", "--max-num-seqs", "8"], env=os.environ.copy())
+                             "warning", "--max-num-seqs", "8", "--trust-request-chat-template",
+                             "--max-messages", "100000"], env=os.environ.copy())
     base = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(base_url=base, timeout=120) as client:
@@ -66,28 +112,9 @@ async def main(args: argparse.Namespace) -> None:
                 except httpx.TransportError:
                     pass
                 await asyncio.sleep(0.1)
-            rng = random.Random(0)
-            words = ["cache", "block", "prefix", "token", "engine", "stream", "server", "model"]
-            text = " ".join(rng.choice(words) + str(rng.randrange(1000)) for _ in range(args.prompt_tokens * 10 // 39))
-            stamps: list[list[float]] = [[] for _ in range(args.streams)]
-            stop = asyncio.Event()
-            tasks = [asyncio.create_task(stream(client, s, stop)) for s in stamps]
-            await asyncio.sleep(2.0)  # streams under way
-            t0 = time.perf_counter()
-            r = await client.post("/v1/chat/completions", json={
-                "model": "random:qwen3-tiny", "max_tokens": 4,
-                "messages": [{"role": "user", "content": text}]})
-            t1 = time.perf_counter()
-            await asyncio.sleep(0.5)
-            stop.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            window = t1 - t0
-            quiet = largest_gap(stamps, t0 - window - 0.2, t0 - 0.2)
-            busy = largest_gap(stamps, t0, t1)
-            print(f"large request: {len(text)} chars, answered {r.status_code} in {window * 1e3:.0f} ms "
-                  f"({r.json().get('error', {}).get('message', '')[:80]!r})")
-            print(f"largest gap between chunks of {args.streams} streams: quiet window {quiet * 1e3:.1f} ms, "
-                  f"while the large request was handled {busy * 1e3:.1f} ms")
+            cases = CASES if args.case == "all" else [args.case]
+            for case in cases:
+                await measure(client, case, args)
     finally:
         proc.terminate()
         proc.wait(30)
@@ -97,4 +124,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-tokens", type=int, default=30000)
     parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--case", choices=CASES + ["all"], default="all")
     asyncio.run(main(parser.parse_args()))

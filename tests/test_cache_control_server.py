@@ -57,7 +57,7 @@ def clock() -> ShiftableClock:
 @pytest.fixture(scope="module")
 def server(clock):
     app = build_app(LLMEngine(EngineConfig(**ENGINE), clock=clock),
-                    ServerConfig(max_waiting=1024, cache_ttl_scale=TTL_SCALE))
+                    ServerConfig(max_waiting=1024, cache_ttl_scale=TTL_SCALE, trust_request_chat_template=True))
     with LiveServer(app) as live:
         yield live
 
@@ -311,8 +311,8 @@ def test_cached_contents_lifecycle(server, http, oai, claude, tokenizer):
     with pytest.raises(openai.BadRequestError, match="does not start with cached content"):
         oai.chat.completions.create(
             model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}],
-            extra_body={"cached_content": "manual", "chat_template_kwargs": {
-                "chat_template": "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"}})
+            extra_body={"cached_content": "manual",
+                        "chat_template": "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"})
     with pytest.raises(anthropic.BadRequestError, match="system prompt from the cached content"):
         claude.messages.create(model=MODEL, max_tokens=2, system="another system",
                                extra_body={"cached_content": "manual"},

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from prefixserve.engine.config import EngineConfig
 from prefixserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from prefixserve.entrypoints.server.auth import KeyTable
 from prefixserve.entrypoints.server.config import ServerConfig
 
 DEFAULT_MAX_WAITING = ServerConfig.max_waiting
@@ -31,6 +33,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--cache-ttl-scale", type=float, default=ServerConfig.cache_ttl_scale,
                    help="multiplies every cache TTL (\"5m\" -> 300 s x scale); for tests and "
                         "experiments (default: %(default)s)")
+    g.add_argument("--api-key", default=None,
+                   help="one API key clients must send (Authorization: Bearer KEY or x-api-key); "
+                        "its holder is the only tenant and the admin")
+    g.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
+                   help="JSON file of API keys, each naming its tenant: {\"KEY\": \"tenant\", "
+                        "\"KEY2\": {\"tenant\": \"ops\", \"admin\": true}}; tenants never share "
+                        "cached prefixes, cached contents or diagnoses; admin keys may reset the "
+                        "cache and read /metrics")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="run chat templates sent by clients (in the render process, under a time "
+                        "and memory limit); refused by default")
+    g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
+                   help="largest request body accepted, in bytes (default: %(default)s)")
+    g.add_argument("--max-messages", type=int, default=ServerConfig.max_messages,
+                   help="most messages in one chat request (default: %(default)s)")
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run)
@@ -42,10 +59,16 @@ def run(args: argparse.Namespace) -> int:
     from prefixserve.engine.llm_engine import LLMEngine
     from prefixserve.entrypoints.server.app import build_app
 
+    if args.api_key is not None and args.api_keys is not None:
+        raise ValueError("give --api-key or --api-keys, not both")
+    keys = (KeyTable.single(args.api_key) if args.api_key is not None
+            else KeyTable.from_file(args.api_keys) if args.api_keys is not None else None)
     server_config = ServerConfig(host=args.host, port=args.port,
                                  served_model_name=args.served_model_name,
                                  max_waiting=args.max_waiting, retry_after_s=args.retry_after_s,
-                                 cache_ttl_scale=args.cache_ttl_scale)
+                                 cache_ttl_scale=args.cache_ttl_scale, keys=keys,
+                                 trust_request_chat_template=args.trust_request_chat_template,
+                                 max_body_bytes=args.max_body_bytes, max_messages=args.max_messages)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The server bounds the queue itself (and answers 429); the engine stays unbounded behind it.

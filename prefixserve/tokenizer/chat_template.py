@@ -146,5 +146,8 @@ def render_chat(source: str, messages: list[Any], *, tools: list[dict] | None, a
     try:
         return template.render(messages=[_normalize_message(m) for m in messages], tools=tools,
                                documents=documents, add_generation_prompt=add_generation_prompt, **variables)
-    except jinja2.exceptions.TemplateError as exc:
+    except (jinja2.exceptions.TemplateError, ArithmeticError, TypeError, ValueError, LookupError,
+            AttributeError, RecursionError) as exc:
+        # whatever a template raises while rendering (a sandbox limit, bad arithmetic on a
+        # message field) is about this template and these messages, not the server
         raise ChatTemplateError(f"chat template error: {exc}") from exc

@@ -3,9 +3,10 @@ named cached contents over one AsyncLLM."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import AsyncIterator, Union
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -14,6 +15,7 @@ from prefixserve.engine import AsyncLLM, LLMEngine
 from prefixserve.entrypoints.server.anthropic.messages import create_message
 from prefixserve.entrypoints.server.config import ServerConfig
 from prefixserve.entrypoints.server.errors import install_error_handlers
+from prefixserve.entrypoints.server.gate import Gate
 from prefixserve.entrypoints.server.metrics import ServerMetrics
 from prefixserve.entrypoints.server.openai.chat import create_chat_completion
 from prefixserve.entrypoints.server.openai.completions import create_completion
@@ -25,6 +27,9 @@ from prefixserve.entrypoints.server.prompting.cached_contents import (create_cac
                                                                       update_cached_content)
 from prefixserve.entrypoints.server.prompting.render_pool import RenderPool
 from prefixserve.entrypoints.server.state import ServerState, get_state
+from prefixserve.entrypoints.server.validation import check_body
+
+logger = logging.getLogger(__name__)
 
 
 def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerConfig()) -> FastAPI:
@@ -44,7 +49,8 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
                         metrics=ServerMetrics(async_llm.stats, model_name),
                         explainer=MissExplainer(async_llm.tokenizer.decode,
                                                 max_requests=config.diagnose_max_requests),
-                        renderer=RenderPool(async_llm.info.model))
+                        renderer=RenderPool(async_llm.info.model, max_tokens=async_llm.max_model_len,
+                                           timeout_s=config.render_timeout_s))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,13 +63,20 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
             if owned:
                 async_llm.shutdown()
 
-    app = FastAPI(title="prefixserve", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="prefixserve", version="0.1.0", lifespan=lifespan, dependencies=[Depends(check_body)])
     app.state.server = state
     install_error_handlers(app)
+    app.add_middleware(Gate, keys=config.keys, max_body_bytes=config.max_body_bytes)
+    if config.keys is None:
+        logger.warning("no API keys configured: every client is one tenant and may see, use and "
+                       "delete what any other client cached; start with --api-key or --api-keys "
+                       "to separate tenants")
 
-    app.post("/v1/completions")(create_completion)
-    app.post("/v1/chat/completions")(create_chat_completion)
-    app.post("/v1/messages")(create_message)
+    # JSON, or server-sent events when the request asks to stream
+    streamed = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
+    app.post("/v1/completions", responses=streamed)(create_completion)
+    app.post("/v1/chat/completions", responses=streamed)(create_chat_completion)
+    app.post("/v1/messages", responses=streamed)(create_message)
     app.post("/v1/cached_contents")(create_cached_content)
     app.get("/v1/cached_contents")(list_cached_contents)
     app.get("/v1/cached_contents/{key}")(get_cached_content)

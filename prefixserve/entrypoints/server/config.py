@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from prefixserve.entrypoints.server.auth import KeyTable
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -25,6 +27,17 @@ class ServerConfig:
     # Requests the live miss explainer remembers (each keeps its prompt's token ids), for
     # `diagnose` and `diagnose_against`; the oldest are forgotten first.
     diagnose_max_requests: int = 1000
+    # API keys -> tenants (None: no authentication, one anonymous tenant; see auth.py).
+    keys: Optional[KeyTable] = None
+    # Bounds applied before anything else reads a request.
+    max_body_bytes: int = 16 * 2**20
+    max_messages: int = 2048
+    # Longest a cached content or cache_control pin may live, before cache_ttl_scale.
+    max_cache_ttl_s: float = 7 * 86400.0
+    # A chat template sent by the client runs only when the operator trusts clients with it.
+    trust_request_chat_template: bool = False
+    # Longest one rendering may take in the render process before it is killed (a 400).
+    render_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -40,6 +53,14 @@ class ServerConfig:
         _positive("retry_after_s", self.retry_after_s)
         _positive("default_completion_max_tokens", self.default_completion_max_tokens)
         _positive("diagnose_max_requests", self.diagnose_max_requests)
+        _positive("max_body_bytes", self.max_body_bytes)
+        _positive("max_messages", self.max_messages)
+        for name in ("max_cache_ttl_s", "render_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        if self.keys is not None and not isinstance(self.keys, KeyTable):
+            raise ValueError(f"keys must be a KeyTable or None, got {type(self.keys).__name__}")
         if isinstance(self.cache_ttl_scale, bool) or not isinstance(self.cache_ttl_scale, (int, float)) \
                 or not self.cache_ttl_scale > 0:
             raise ValueError(f"cache_ttl_scale must be a positive number, got {self.cache_ttl_scale!r}")

@@ -101,6 +101,14 @@ class RequestRecorder:
         self._clock = clock
         self._tokens = 0
         self._last_token_time: Optional[float] = None
+        self._done = False
+
+    def aborted(self, samples: int) -> None:
+        """The request was aborted before it finished (its client left): counted as "abort"."""
+        if not self._done:
+            self._done = True
+            for _ in range(samples):
+                self._metrics.finished("abort")
 
     def observe(self, output: RequestOutput) -> None:
         tokens = len(output.outputs[0].token_ids) if output.outputs else 0
@@ -118,6 +126,7 @@ class RequestRecorder:
                     self._metrics.itl.observe(gap)
             self._tokens, self._last_token_time = tokens, now
         if output.finished:
+            self._done = True
             e2e = output.metrics.e2e_latency
             if e2e is not None:
                 self._metrics.e2e.observe(e2e)

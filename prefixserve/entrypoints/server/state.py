@@ -11,10 +11,14 @@ from fastapi import Request
 
 from prefixserve.diagnose.live import MissExplainer
 from prefixserve.engine.async_llm import AsyncLLM
+from prefixserve.entrypoints.server.auth import ANONYMOUS, Principal, cache_namespace
 from prefixserve.entrypoints.server.config import ServerConfig
 from prefixserve.entrypoints.server.errors import APIError, bad_request
 from prefixserve.entrypoints.server.metrics import ServerMetrics
 from prefixserve.entrypoints.server.prompting.render_pool import RenderPool
+
+
+MAX_SALT_CHARS = 256
 
 
 @dataclass
@@ -36,9 +40,18 @@ class ServerState:
                                 f"{self.model_name!r}", type="invalid_request_error",
                            param="model", code="model_not_found")
 
-    def check_cache_salt(self, cache_salt: Optional[str]) -> None:
-        if cache_salt is not None and not cache_salt:
-            raise bad_request("cache_salt must be a non-empty string", param="cache_salt")
+    def namespace(self, request: Request, cache_salt: Optional[str]) -> Optional[str]:
+        """The cache salt the engine sees for this request: the caller's tenant namespace,
+        subdivided by the salt the request sends (auth.py)."""
+        if cache_salt is not None and not 0 < len(cache_salt) <= MAX_SALT_CHARS:
+            raise bad_request(f"cache_salt must be a string of 1-{MAX_SALT_CHARS} characters",
+                              param="cache_salt")
+        return cache_namespace(principal(request), cache_salt)
+
+
+def principal(request: Request) -> Principal:
+    """Who sent the request (set by the gate; anonymous where no keys are configured)."""
+    return getattr(request.state, "principal", ANONYMOUS)
 
 
 def get_state(request: Request) -> ServerState:

@@ -31,13 +31,16 @@ class Generation:
     recorders: list[RequestRecorder]
     config: ServerConfig
     param: str
+    samples_per_prompt: int = 1
     finished: set[int] = field(default_factory=set)
 
     def abort(self) -> None:
         """Aborts every prompt not yet finished (idempotent; safe after completion)."""
         for i, rid in enumerate(self.request_ids):
             if i not in self.finished:
+                self.finished.add(i)
                 self.async_llm.abort(rid)
+                self.recorders[i].aborted(self.samples_per_prompt)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, cumulative output) as they arrive from every prompt, until all finish.
@@ -151,7 +154,7 @@ async def submit(async_llm: AsyncLLM, config: ServerConfig, metrics: ServerMetri
             raise api_error(exc, param=param, retry_after_s=config.retry_after_s,
                             renames={"prompt": param}) from exc
         raise
-    return Generation(async_llm, ids, streams, [metrics.recorder() for _ in ids], config, param)
+    return Generation(async_llm, ids, streams, [metrics.recorder() for _ in ids], config, param, params.n)
 
 
 def sse(model: BaseModel) -> str:

@@ -32,7 +32,7 @@ from prefixserve.sampling_params import SamplingParams
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model)
-    state.check_cache_salt(body.cache_salt)
+    salt = state.namespace(request, body.cache_salt)
     ask = diagnose_ask(body)
     conversation = conversation_of(body.system, body.messages, body.tools)
     control = parse_cache_control(body.cache_control, "body")
@@ -40,7 +40,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     if control is not None and last is not None and last.cache_control is None:
         last.cache_control = control
     prompt = await prepare_prompt(state, conversation, cached_content=body.cached_content,
-                                  cache_salt=body.cache_salt, with_spans=ask is not None)
+                                  cache_salt=salt, with_spans=ask is not None)
     try:
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,

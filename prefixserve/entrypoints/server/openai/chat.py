@@ -28,16 +28,16 @@ from prefixserve.entrypoints.server.prompting.pins import unix_time, warning_hea
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model)
-    state.check_cache_salt(body.cache_salt)
+    salt = state.namespace(request, body.cache_salt)
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias", code="unsupported")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     ask = diagnose_ask(body)
     prompt = await prepare_prompt(state, chat_conversation(body.messages, body.tools),
-                                  cached_content=body.cached_content, cache_salt=body.cache_salt,
+                                  cached_content=body.cached_content, cache_salt=salt,
                                   add_generation_prompt=body.add_generation_prompt,
-                                  template_kwargs=body.chat_template_kwargs, with_spans=ask is not None)
+                                  template_kwargs=_template_kwargs(body), with_spans=ask is not None)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     try:
@@ -66,6 +66,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if extension is not None:
         body_json["prefixserve"] = extension
     return JSONResponse(body_json, headers=warning_headers(prompt.plan.warnings(output)))
+
+
+def _template_kwargs(body: ChatCompletionRequest) -> dict:
+    # check_body let a client template through only on a server that trusts them
+    extra = {"chat_template": body.chat_template} if body.chat_template is not None else {}
+    return {**(body.chat_template_kwargs or {}), **extra}
 
 
 def _logprobs(state: ServerState, c: CompletionOutput, start: int) -> Optional[ChatLogprobs]:

@@ -22,9 +22,9 @@ from prefixserve.entrypoints.server.state import ServerState, get_state, new_id,
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model)
-    state.check_cache_salt(body.cache_salt)
+    salt = state.namespace(request, body.cache_salt)
     _reject_unsupported(body)
-    live = LiveDiagnosis(state.explainer, diagnose_ask(body), body.cache_salt)
+    live = LiveDiagnosis(state.explainer, diagnose_ask(body), salt)
     prompts = await _prompt_token_ids(state, body.prompt)
     max_tokens = body.max_tokens if body.max_tokens is not None \
         else state.config.default_completion_max_tokens
@@ -33,7 +33,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     except InvalidRequestError as exc:
         raise api_error(exc) from None
     gen = await submit(state.async_llm, state.config, state.metrics, new_id("cmpl"), prompts, params,
-                       cache_salt=body.cache_salt, priority=body.priority, param="prompt")
+                       cache_salt=salt, priority=body.priority, param="prompt")
     created = int(time.time())
     if body.stream:
         return EventStream(_stream(state, gen, body, created, live), on_close=gen.abort)

@@ -14,7 +14,7 @@ from prefixserve.sampling_params import SamplingParams
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(StrictModel):
@@ -113,8 +113,8 @@ class ContentPart(StrictModel):
 
 class ChatMessage(StrictModel):
     # Templates may read fields we do not know (tool_calls, reasoning_content, ...): keep them.
-    model_config = ConfigDict(strict=True, extra="allow")
-    role: str
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
     # A breakpoint at the end of this message's content (for string content).
@@ -131,6 +131,8 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Union[str, dict[str, Any], None] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # A template of the client's own: refused unless the server trusts clients with templates.
+    chat_template: Optional[str] = None
     # Id or name of a cached content (POST /v1/cached_contents) the prompt starts with.
     cached_content: Optional[str] = None
 

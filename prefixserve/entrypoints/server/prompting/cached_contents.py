@@ -28,12 +28,13 @@ from prefixserve.entrypoints.server.errors import APIError, bad_request
 from prefixserve.entrypoints.server.openai.protocol import StrictModel
 from prefixserve.entrypoints.server.prompting.conversations import conversation_of
 from prefixserve.entrypoints.server.prompting.pins import unix_time
+from prefixserve.entrypoints.server.prompting.prompts import render_or_400
 from prefixserve.entrypoints.server.state import get_state, new_id
 from prefixserve.entrypoints.server.streaming import submit
 from prefixserve.prompt import Conversation
 from prefixserve.sampling_params import SamplingParams
 
-_TTL = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h)\s*$")
+_TTL = re.compile(r"^\s*(\d{1,9}(?:\.\d{1,9})?)\s*(s|m|h)\s*$")
 _UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -68,51 +69,50 @@ class ContentPayload:
     conversation: Conversation
 
 
-def parse_ttl(value: Union[str, int, float], scale: float) -> float:
-    """Seconds of a TTL given as seconds or "300s" / "5m" / "1h", times the server's scale."""
-    if isinstance(value, bool):
+def parse_ttl(value: Union[str, int, float], scale: float, max_s: float) -> float:
+    """Seconds of a TTL given as seconds or "300s" / "5m" / "1h" (at most max_s), times the
+    server's scale."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise bad_request(f"ttl must be seconds or a string like \"5m\", got {value!r}", param="ttl")
     if isinstance(value, str):
         match = _TTL.match(value)
         if match is None:
             raise bad_request(f"ttl must be seconds or a string like \"300s\", \"5m\" or \"1h\", "
-                              f"got {value!r}", param="ttl")
+                              f"got {value[:40]!r}", param="ttl")
         seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    elif isinstance(value, int) and abs(value) > max_s:  # before float(): 10**400 overflows it
+        seconds = float("inf")
     else:
         seconds = float(value)
-    if not seconds > 0:
-        raise bad_request(f"ttl must be positive, got {value!r}", param="ttl")
+    if not 0 < seconds <= max_s:  # also refuses NaN and infinity
+        raise bad_request(f"ttl must be more than 0 and at most {max_s:g} seconds", param="ttl")
     return seconds * scale
 
 
 async def create_cached_content(body: CachedContentCreate, request: Request) -> JSONResponse:
     state = get_state(request)
     state.check_model(body.model)
-    state.check_cache_salt(body.cache_salt)
-    ttl_s = parse_ttl(body.ttl, state.config.cache_ttl_scale)
+    namespace = state.namespace(request, body.cache_salt)
+    ttl_s = parse_ttl(body.ttl, state.config.cache_ttl_scale, state.config.max_cache_ttl_s)
     conversation = conversation_of(body.system, body.messages, body.tools).unmarked()
     if not conversation.turns:
         raise bad_request("a cached content needs a system prompt or at least one message",
                           param="messages")
-    try:
-        token_ids = (await state.renderer.render(conversation, add_generation_prompt=False,
-                                                 template_kwargs=body.chat_template_kwargs)).token_ids
-    except (ValueError, TypeError, KeyError) as exc:
-        raise bad_request(f"the chat template could not render this content: {exc}",
-                          param="messages") from None
+    token_ids = (await render_or_400(state, conversation, add_generation_prompt=False,
+                                     template_kwargs=body.chat_template_kwargs)).token_ids
     block_size = state.async_llm.info.block_size
     if len(token_ids) < block_size:
         raise bad_request(f"the content renders to {len(token_ids)} tokens; the cache holds whole "
                           f"blocks of {block_size} tokens, so it needs at least {block_size}",
                           param="messages", code="content_too_short")
-    if body.name is not None and await state.async_llm.cached_content_name_taken(body.name):
+    if body.name is not None and await state.async_llm.cached_content_name_taken(body.name, namespace):
         raise APIError(409, f"a cached content named {body.name!r} already exists", param="name",
                        code="name_taken")
-    content = CachedContent(new_id("cc"), body.name, token_ids, body.cache_salt, int(time.time()),
-                            payload=ContentPayload(state.model_name, conversation))
+    content = CachedContent(new_id("cc"), body.name, token_ids, namespace, int(time.time()),
+                            payload=ContentPayload(state.model_name, conversation), owner=namespace)
     gen = await submit(state.async_llm, state.config, state.metrics, new_id("cc-prefill"),
                        [token_ids], SamplingParams(temperature=0.0, max_tokens=1),
-                       cache_salt=body.cache_salt, priority=0, param="messages",
+                       cache_salt=namespace, priority=0, param="messages",
                        cache_pins=[CachePin(len(token_ids), ttl_s, content=content)])
     (output,) = await gen.final_outputs(request)
     result = output.pins[0] if output.pins else None
@@ -124,28 +124,35 @@ async def create_cached_content(body: CachedContentCreate, request: Request) -> 
     return JSONResponse(describe(content, pin, unix_time(state.async_llm.now)))
 
 
-async def list_cached_contents(request: Request) -> JSONResponse:
+# The routes below act within the caller's namespace: its tenant, and the cache_salt query
+# parameter where the contents were created with a salt. Another namespace's contents are
+# not found, exactly as if they did not exist.
+
+async def list_cached_contents(request: Request, cache_salt: Optional[str] = None) -> JSONResponse:
     state = get_state(request)
     to_unix = unix_time(state.async_llm.now)
-    data = [describe(c, p, to_unix) for c, p in await state.async_llm.cached_contents()]
-    return JSONResponse({"object": "list", "data": data})
+    owned = await state.async_llm.cached_contents(state.namespace(request, cache_salt))
+    return JSONResponse({"object": "list", "data": [describe(c, p, to_unix) for c, p in owned]})
 
 
-async def get_cached_content(key: str, request: Request) -> JSONResponse:
+async def get_cached_content(key: str, request: Request, cache_salt: Optional[str] = None) -> JSONResponse:
     state = get_state(request)
-    content, pin = await state.async_llm.find_cached_content(key, param="key")
+    content, pin = await state.async_llm.find_cached_content(
+        key, state.namespace(request, cache_salt), param="key")
     return JSONResponse(describe(content, pin, unix_time(state.async_llm.now)))
 
 
-async def update_cached_content(key: str, body: CachedContentUpdate, request: Request) -> JSONResponse:
+async def update_cached_content(key: str, body: CachedContentUpdate, request: Request,
+                                cache_salt: Optional[str] = None) -> JSONResponse:
     state = get_state(request)
-    ttl_s = parse_ttl(body.ttl, state.config.cache_ttl_scale)
+    ttl_s = parse_ttl(body.ttl, state.config.cache_ttl_scale, state.config.max_cache_ttl_s)
     # PATCH sets the expiry, shorter as well as longer.
-    content, pin = await state.async_llm.repin_cached_content(key, ttl_s, param="key")
+    content, pin = await state.async_llm.repin_cached_content(
+        key, ttl_s, state.namespace(request, cache_salt), param="key")
     return JSONResponse(describe(content, pin, unix_time(state.async_llm.now)))
 
 
-async def delete_cached_content(key: str, request: Request) -> JSONResponse:
+async def delete_cached_content(key: str, request: Request, cache_salt: Optional[str] = None) -> JSONResponse:
     state = get_state(request)
-    content = await state.async_llm.delete_cached_content(key, param="key")
+    content = await state.async_llm.delete_cached_content(key, state.namespace(request, cache_salt), param="key")
     return JSONResponse({"id": content.id, "object": "cached_content.deleted", "deleted": True})

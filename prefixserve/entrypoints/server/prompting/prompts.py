@@ -13,7 +13,7 @@ from prefixserve.entrypoints.server.errors import bad_request
 from prefixserve.entrypoints.server.prompting.pins import PinPlan
 from prefixserve.entrypoints.server.prompting.render_pool import RenderedChat
 from prefixserve.entrypoints.server.state import ServerState
-from prefixserve.errors import CacheControlError
+from prefixserve.errors import PrefixServeError
 from prefixserve.prompt import Conversation
 
 
@@ -37,26 +37,17 @@ async def prepare_prompt(state: ServerState, conversation: Conversation, *,
     """with_spans: also locate every part's token span (for a diagnosis)."""
     content = None
     if cached_content is not None:
-        content, _ = await state.async_llm.find_cached_content(cached_content)
+        # looked up in the request's own namespace: another tenant's (or salt's) content is not there
+        content, _ = await state.async_llm.find_cached_content(cached_content, owner=cache_salt)
         if conversation.tools:
             raise bad_request("a request using cached_content takes its tools from the cached "
                               "content; do not send tools", param="tools")
         if any(t.fields.get("role") == "system" for t in conversation.turns):
             raise bad_request("a request using cached_content takes its system prompt from the "
                               "cached content; do not send one", param="system")
-        if cache_salt is not None and cache_salt != content.cache_salt:
-            raise bad_request("cache_salt differs from the cached content's salt, so the content "
-                              "could never be reused", param="cache_salt")
-        cache_salt = content.cache_salt
         conversation = content.payload.conversation.then(conversation)
-    try:
-        rendered = await state.renderer.render(conversation, add_generation_prompt=add_generation_prompt,
-                                               template_kwargs=template_kwargs, with_spans=with_spans)
-    except CacheControlError:
-        raise
-    except (ValueError, TypeError, KeyError) as exc:  # the template's complaint about these messages
-        raise bad_request(f"the chat template could not render these messages: {exc}",
-                          param="messages") from None
+    rendered = await render_or_400(state, conversation, add_generation_prompt=add_generation_prompt,
+                                   template_kwargs=template_kwargs, with_spans=with_spans)
     if content is not None and rendered.token_ids[:len(content.token_ids)] != content.token_ids:
         raise bad_request(
             f"with these messages the rendered prompt does not start with cached content "
@@ -66,3 +57,16 @@ async def prepare_prompt(state: ServerState, conversation: Conversation, *,
     plan = PinPlan(rendered.breakpoints, state.config.cache_ttl_scale,
                    content.id if content is not None else None)
     return PreparedPrompt(rendered, plan, cache_salt, conversation)
+
+
+async def render_or_400(state: ServerState, conversation: Conversation, *, add_generation_prompt: bool,
+                        template_kwargs: Optional[dict[str, Any]], with_spans: bool = False) -> RenderedChat:
+    """The conversation rendered in the render process; what the template refuses is the request's fault."""
+    try:
+        return await state.renderer.render(conversation, add_generation_prompt=add_generation_prompt,
+                                           template_kwargs=template_kwargs, with_spans=with_spans)
+    except PrefixServeError:
+        raise
+    except (ValueError, TypeError, KeyError) as exc:  # the template's complaint about these messages
+        raise bad_request(f"the chat template could not render these messages: {exc}",
+                          param="messages") from None

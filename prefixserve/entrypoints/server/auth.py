@@ -1,0 +1,119 @@
+"""API keys, tenants and the cache namespace a request lives in.
+
+With keys configured (`--api-key`, `--api-keys FILE`), every /v1 route needs one
+(`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`); a missing or wrong key is a
+401. A key names a tenant. The tenant decides the request's cache namespace: its cache salt
+is derived from the tenant, and a salt the request sends only subdivides that namespace, so
+no request can name, hit, list, change or delete what another tenant's requests cached.
+Routes that act on the whole server (`/reset_prefix_cache`, `/metrics`) need an admin key.
+
+Without keys everyone is one anonymous tenant, as before, and the namespace is the salt the
+request sends (the server says so at start).
+
+Keys file (JSON): {"KEY": "tenant", "KEY2": {"tenant": "ops", "admin": true}, ...}. Keys are
+kept only as SHA-256 digests and compared in constant time.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+from prefixserve.errors import InvalidRequestError
+
+# A single --api-key serves one tenant, who is also the admin.
+DEFAULT_TENANT = "default"
+MAX_TENANT_NAME = 128
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who sent a request: its tenant (None without keys) and whether it may act on the whole server."""
+    tenant: Optional[str]
+    admin: bool
+
+
+ANONYMOUS = Principal(None, admin=True)
+
+
+def cache_namespace(principal: Principal, salt: Optional[str]) -> Optional[str]:
+    """The salt the engine sees: the tenant's namespace, subdivided by the request's salt.
+
+    JSON of the pair, so no (tenant, salt) can spell another's; without keys, the salt as sent."""
+    if principal.tenant is None:
+        return salt
+    return json.dumps(["tenant", principal.tenant, salt], ensure_ascii=False)
+
+
+class KeyTable:
+    """API key digest -> Principal."""
+
+    def __init__(self, keys: Mapping[str, Principal]) -> None:
+        if not keys:
+            raise ValueError("an API key table needs at least one key")
+        self._by_digest = {_digest(k): p for k, p in keys.items()}
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    @classmethod
+    def single(cls, key: str) -> KeyTable:
+        _check_key(key, "--api-key")
+        return cls({key: Principal(DEFAULT_TENANT, admin=True)})
+
+    @classmethod
+    def from_file(cls, path: Path) -> KeyTable:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read the API keys file {path}: {exc}") from None
+        if not isinstance(raw, dict) or not raw:
+            raise ValueError(f"{path} must hold a JSON object of API key -> tenant name")
+        keys = {}
+        for key, entry in raw.items():
+            _check_key(key, f"a key in {path}")
+            if isinstance(entry, str):
+                entry = {"tenant": entry}
+            if not isinstance(entry, dict) or set(entry) - {"tenant", "admin"}:
+                raise ValueError(f"{path}: each key maps to a tenant name or "
+                                 "{\"tenant\": NAME, \"admin\": true|false}")
+            tenant, admin = entry.get("tenant"), entry.get("admin", False)
+            if not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_TENANT_NAME or not isinstance(admin, bool):
+                raise ValueError(f"{path}: tenant names are strings of 1-{MAX_TENANT_NAME} characters "
+                                 "and admin is true or false")
+            keys[key] = Principal(tenant, admin)
+        return cls(keys)
+
+    def lookup(self, key: Optional[str]) -> Optional[Principal]:
+        """The key's principal, or None for a missing or unknown key."""
+        if not key:
+            return None
+        digest = _digest(key)
+        found = None
+        for known, principal in self._by_digest.items():
+            # every entry compared, in constant time: the answer's timing says nothing of the key
+            if hmac.compare_digest(known, digest):
+                found = principal
+        return found
+
+
+def key_of(authorization: Optional[str], x_api_key: Optional[str]) -> Optional[str]:
+    """The key a request presents: OpenAI's bearer token or Anthropic's x-api-key header."""
+    if authorization:
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+    return x_api_key or None
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def _check_key(key: object, where: str) -> None:
+    if not isinstance(key, str) or len(key) < 8 or not key.isprintable() or " " in key:
+        raise InvalidRequestError(f"{where}: an API key is a printable string of at least 8 characters "
+                                  "without spaces")

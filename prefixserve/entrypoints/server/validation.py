@@ -1,0 +1,88 @@
+"""Checks every JSON body gets before any endpoint reads it, whatever the endpoint.
+
+Pydantic checks each field's type; what it lets through, and what used to fail deep in the
+engine step (ending every request in it) or in the tokenizer (a 500), is refused here with a
+400 naming the field: strings that are not valid Unicode (a lone UTF-16 surrogate), numbers
+that are not finite (Python's JSON parser accepts NaN and Infinity), integers no engine type
+holds (a top_k of 10**29), nesting too deep to walk, and more messages than the server takes.
+Chat-template variables are plain values, and never a template of the client's own unless
+the operator trusts clients with it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from fastapi import Request
+
+from prefixserve.entrypoints.server.errors import APIError, bad_request
+
+MAX_DEPTH = 32
+# int64 (the widest engine type); narrower fields are bounded where they are used
+MAX_INT = 2**63 - 1
+# what a template may read besides messages and tools; a client template rides in chat_template
+RESERVED_TEMPLATE_KWARGS = {"chat_template", "messages", "tools", "documents", "add_generation_prompt",
+                            "tokenize", "tokenizer", "continue_final_message"}
+
+
+async def check_body(request: Request) -> None:
+    """A FastAPI dependency of every route: walks the parsed body (the one FastAPI parsed and
+    Starlette cached, so nothing is parsed twice)."""
+    if request.method not in ("POST", "PUT", "PATCH") or \
+            "json" not in request.headers.get("content-type", "application/json"):
+        return
+    try:
+        body = await request.json()
+    except ValueError:
+        return  # malformed JSON: FastAPI answers it with its own 400
+    _walk(body, "", 0)
+    state = request.app.state.server
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if isinstance(messages, list) and len(messages) > state.config.max_messages:
+        raise bad_request(f"{len(messages)} messages; this server takes at most "
+                          f"{state.config.max_messages} per request", param="messages", code="too_many_messages")
+    if isinstance(body, dict):
+        check_template_fields(body, state.config.trust_request_chat_template)
+
+
+def check_template_fields(body: dict[str, Any], trusted: bool) -> None:
+    kwargs = body.get("chat_template_kwargs")
+    if isinstance(kwargs, dict):
+        for key in kwargs:
+            if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
+                raise bad_request(f"chat_template_kwargs may not set {key!r}", param=f"chat_template_kwargs.{key}")
+    if body.get("chat_template") is not None and not trusted:
+        raise APIError(400, "this server does not run chat templates sent by clients (start it with "
+                            "--trust-request-chat-template to allow them)", param="chat_template",
+                       code="chat_template_not_allowed")
+
+
+def _walk(value: Any, path: str, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise bad_request(f"the body nests deeper than {MAX_DEPTH} levels", param=path or None)
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad_request(f"{path or 'body'} is not valid Unicode (a lone UTF-16 surrogate)",
+                                  param=path or None, code="invalid_unicode") from None
+    elif isinstance(value, bool) or value is None:
+        return
+    elif isinstance(value, int):
+        if not -MAX_INT - 1 <= value <= MAX_INT:
+            raise bad_request(f"{path or 'body'} is an integer beyond 64 bits", param=path or None)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise bad_request(f"{path or 'body'} must be a finite number", param=path or None)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _walk(key, path, depth + 1)
+            _walk(item, _join(path, key), depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _walk(item, f"{path}[{i}]", depth + 1)
+
+
+def _join(path: str, key: str) -> Optional[str]:
+    return f"{path}.{key}" if path else key

@@ -1,0 +1,154 @@
+"""Tenants, tried as an attacker would: with API keys, one tenant never sees, uses, changes or
+deletes what another cached, and never reads another's prompt in a diagnosis; without keys, a
+client still cannot use or list a salted content without its salt.
+
+Real server (uvicorn on a loopback port), official clients; oracles are the cached-token
+counts the engine reports, the other tenant's view of the same objects, and the KV manager's
+invariants.
+"""
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+from test_server_api import LiveServer, assert_pool_idle
+
+from prefixserve import EngineConfig, LLMEngine
+from prefixserve.entrypoints.server.app import build_app
+from prefixserve.entrypoints.server.auth import KeyTable
+from prefixserve.entrypoints.server.config import ServerConfig
+
+MODEL = "random:qwen3-tiny"
+ENGINE = dict(model=MODEL, seed=0, block_size=16, num_kv_blocks=512, max_model_len=2048, max_num_seqs=32)
+KEYS = {"key-of-acme-0001": "acme", "key-of-zeta-0002": "zeta", "key-of-beta-0004": "beta",
+        "key-of-root-0003": {"tenant": "ops", "admin": True}}
+SECRET = ("ACME internal playbook: the launch code is 7 4 1 9, the partner is Globex, and the price "
+          "floor is forty two. ") * 4
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    path.write_text(json.dumps(KEYS))
+    app = build_app(LLMEngine(EngineConfig(**ENGINE)), ServerConfig(keys=KeyTable.from_file(path)))
+    with LiveServer(app) as live:
+        yield live
+
+
+def http(server, key=None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=server.base_url, timeout=60, headers=headers)
+
+
+def chat(client: httpx.Client, content: str, **extra) -> httpx.Response:
+    return client.post("/v1/chat/completions", json={
+        "model": MODEL, "max_tokens": 2, "temperature": 0,
+        "messages": [{"role": "system", "content": SECRET}, {"role": "user", "content": content}], **extra})
+
+
+def test_a_missing_or_wrong_key_is_a_401_on_every_api(server):
+    with http(server) as anon, http(server, "not-a-real-key-999") as wrong:
+        for client in (anon, wrong):
+            r = chat(client, "hi")
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert client.get("/v1/cached_contents").status_code == 401
+            assert client.get("/v1/models").status_code == 401
+        assert anon.get("/health").status_code == 200  # liveness stays open
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong-key-123", max_retries=0).models.list()
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.base_url, api_key="wrong-key-123", max_retries=0).messages.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    ok = anthropic.Anthropic(base_url=server.base_url, api_key="key-of-zeta-0002", max_retries=0)
+    assert ok.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}]).id
+
+
+def test_tenants_never_share_cached_prefixes_even_when_one_names_the_others_salt(server):
+    with http(server, "key-of-acme-0001") as acme, http(server, "key-of-zeta-0002") as zeta:
+        assert chat(acme, "first").status_code == 200
+        again = chat(acme, "second").json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        # the same system prompt from another tenant: computed afresh, whatever salt it claims
+        # (each salt once: a salt repeated would hit zeta's own cache, which is as it should be)
+        for salt in (None, "acme", json.dumps(["tenant", "acme", None]), "tenant:acme"):
+            extra = {"cache_salt": salt} if salt is not None else {}
+            r = chat(zeta, "second", **extra).json()
+            assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, salt
+
+
+def test_cached_contents_are_invisible_across_tenants(server):
+    body = {"model": MODEL, "name": "playbook", "system": SECRET, "ttl": "1h"}
+    with http(server, "key-of-acme-0001") as acme, http(server, "key-of-zeta-0002") as zeta:
+        created = acme.post("/v1/cached_contents", json=body)
+        assert created.status_code == 200, created.text
+        cid = created.json()["id"]
+        assert [c["id"] for c in acme.get("/v1/cached_contents").json()["data"]] == [cid]
+        # zeta: listing, reading, using, patching and deleting by name or id all find nothing
+        assert zeta.get("/v1/cached_contents").json()["data"] == []
+        for key in ("playbook", cid):
+            assert zeta.get(f"/v1/cached_contents/{key}").status_code == 404
+            assert zeta.patch(f"/v1/cached_contents/{key}", json={"ttl": 1}).status_code == 404
+            assert zeta.delete(f"/v1/cached_contents/{key}").status_code == 404
+            used = zeta.post("/v1/chat/completions", json={
+                "model": MODEL, "max_tokens": 2, "cached_content": key,
+                "messages": [{"role": "user", "content": "what is the launch code?"}]})
+            assert used.status_code == 404
+        # the name is free in zeta's namespace
+        assert zeta.post("/v1/cached_contents", json={**body, "system": "zeta's own " * 20}).status_code == 200
+        # acme's content survived every attempt, and acme can use it
+        used = acme.post("/v1/chat/completions", json={
+            "model": MODEL, "max_tokens": 2, "cached_content": "playbook",
+            "messages": [{"role": "user", "content": "what is the launch code?"}]}).json()
+        assert used["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        for client in (acme, zeta):
+            assert client.delete("/v1/cached_contents/playbook").status_code == 200
+    assert server.in_engine(lambda e: e.stats().blocks_pinned) == 0
+
+
+def test_a_diagnosis_never_quotes_another_tenants_prompt(server):
+    # beta never sent the secret itself: nothing of it may reach beta
+    with http(server, "key-of-acme-0001") as acme, http(server, "key-of-beta-0004") as zeta:
+        first = chat(acme, "tell me the plan").json()
+        probe = zeta.post("/v1/chat/completions", json={
+            "model": MODEL, "max_tokens": 2, "diagnose_against": first["id"],
+            "messages": [{"role": "system", "content": "ACME internal playbook"},
+                         {"role": "user", "content": "x"}]})
+        assert probe.status_code == 200
+        text = json.dumps(probe.json()["prefixserve"])
+        assert "launch code" not in text and "Globex" not in text
+        nearest = zeta.post("/v1/chat/completions", json={
+            "model": MODEL, "max_tokens": 2, "diagnose": True,
+            "messages": [{"role": "system", "content": SECRET[:60]}, {"role": "user", "content": "x"}]})
+        assert "Globex" not in json.dumps(nearest.json()["prefixserve"])
+
+
+def test_whole_server_routes_need_an_admin_key(server):
+    with http(server, "key-of-acme-0001") as acme, http(server, "key-of-root-0003") as root:
+        assert acme.post("/reset_prefix_cache").status_code == 403
+        assert acme.get("/metrics").status_code == 403
+        assert root.get("/metrics").status_code == 200
+        assert root.post("/reset_prefix_cache").status_code == 200
+    assert_pool_idle(server)
+
+
+def test_without_keys_a_salted_content_is_not_usable_or_listed_without_its_salt():
+    app = build_app(LLMEngine(EngineConfig(**ENGINE)), ServerConfig())
+    with LiveServer(app) as live, httpx.Client(base_url=live.base_url, timeout=60) as c:
+        made = c.post("/v1/cached_contents", json={"model": MODEL, "name": "doc", "system": SECRET,
+                                                   "cache_salt": "tenant-a"})
+        assert made.status_code == 200
+        assert c.get("/v1/cached_contents").json()["data"] == []
+        assert c.get("/v1/cached_contents", params={"cache_salt": "tenant-b"}).json()["data"] == []
+        assert [d["name"] for d in c.get("/v1/cached_contents", params={"cache_salt": "tenant-a"}).json()["data"]] == ["doc"]
+        for salt in (None, "tenant-b"):
+            extra = {"cache_salt": salt} if salt else {}
+            r = c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "cached_content": "doc",
+                                                     "messages": [{"role": "user", "content": "x"}], **extra})
+            assert r.status_code == 404
+            assert c.delete("/v1/cached_contents/doc", params=extra and {"cache_salt": salt}).status_code == 404
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "cached_content": "doc",
+                                                 "cache_salt": "tenant-a", "messages": [{"role": "user", "content": "x"}]})
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
