@@ -22,7 +22,7 @@ without importing anything heavy.
     ├── LoadError (also a ValueError)             the model or tokenizer cannot be loaded (at start)
     └── EngineError                               the engine failed, not the request
         ├── EngineDeadError                       the engine loop has stopped
-        └── EngineStepError                       a step raised; the requests in it were ended
+        └── EngineStepError                       a step failed on this request, which alone was ended
 """
 from __future__ import annotations
 

@@ -338,3 +338,51 @@ def test_check_integrity_detects_corruption():
     block.tokens = bytes(len(block.tokens))
     with pytest.raises(AssertionError, match="hash to"):
         kv.check_integrity()
+
+
+def test_rewind_drops_only_the_hashes_of_the_lost_tokens():
+    kv = make(block_size=4)
+    prompt = list(range(10))
+    run(kv, "a", prompt)                      # blocks 0, 1 registered; block 2 partial
+    table_before = kv.block_table("a")
+    # A step schedules 7 more tokens: block 2 fills and block 3 fills, block 4 is new.
+    more = prompt + list(range(50, 57))
+    alloc = kv.allocate_slots("a", more, 10, 7)
+    assert len(alloc.new_block_ids) == 2
+    # Another request of the same step reuses what this one is filling.
+    hit, _ = run(kv, "b", more[:16] + [99])
+    assert hit.num_tokens == 16
+    assert kv.stats().num_cached_blocks == 4
+    # That step failed: both go back (b, admitted in it, is freed; a to its 10 tokens).
+    kv.rewind("b", 16)
+    kv.free("b")
+    kv.rewind("a", 10)
+    kv.check_integrity()
+    assert kv.block_table("a") == table_before
+    assert kv.stats().num_cached_blocks == 2  # blocks 0 and 1, written before that step
+    assert kv.find_cached_prefix("c", more).num_tokens == 8
+    # The same tokens scheduled again are registered again.
+    kv.allocate_slots("a", more, 10, 7)
+    kv.check_integrity()
+    assert kv.stats().num_cached_blocks == 4
+    kv.free("a")
+    kv.check_integrity()
+    assert kv.stats().num_used_blocks == 0
+
+
+def test_rewind_keeps_hashes_another_request_registered():
+    kv = make(block_size=4)
+    shared = list(range(8))
+    run(kv, "first", shared + [1])            # registers both blocks of `shared`
+    # "second" computes the same tokens without hitting (admitted at 0), so its blocks are
+    # equal copies and the first request's registrations stay the ones lookups find.
+    kv.allocate_slots("second", shared + [2], 0, 9)
+    assert kv.stats().num_cached_blocks == 2
+    kv.rewind("second", 0)
+    kv.check_integrity()
+    assert kv.block_table("second") == []
+    assert kv.find_cached_prefix("third", shared + [3]).num_tokens == 8
+    kv.free("second")
+    kv.free("first")
+    with pytest.raises(ValueError, match="unknown"):
+        kv.rewind("first", 0)

@@ -140,6 +140,39 @@ def test_step_failure_fails_affected_requests_and_loop_keeps_running(async_llm, 
     assert async_llm.is_running
 
 
+def test_a_request_the_forward_fails_on_ends_alone_and_other_streams_finish(engine, monkeypatch):
+    prompts = {f"n-{i}": [21 + i, 300 + 5 * i, 42, 9 * i + 2] * (i + 2) for i in range(5)}
+    prompts["victim"] = [21, 300, 42, 2] * 6
+    expected = {rid: sync_generate(engine, f"sync-{rid}", {"prompt_token_ids": p}, GREEDY)
+                .outputs[0].token_ids for rid, p in prompts.items() if rid != "victim"}
+    real = engine.runner.execute
+
+    def execute(plan, rows):
+        # Fails whenever the victim is in the step, whatever else is there.
+        if any(seq.request_id == "victim" for seq in plan.sequences):
+            raise RuntimeError("injected device failure")
+        return real(plan, rows)
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    front = AsyncLLM(engine)
+    front.start()
+    try:
+        async def main():
+            got = await asyncio.gather(*(collect(front, rid, {"prompt_token_ids": p})
+                                         for rid, p in prompts.items()), return_exceptions=True)
+            after = await collect(front, "after", {"prompt_token_ids": prompts["n-0"]})
+            return dict(zip(prompts, got)), after
+        got, after = asyncio.run(main())
+    finally:
+        front.shutdown()
+    assert isinstance(got.pop("victim"), EngineStepError)
+    assert {rid: out.outputs[0].token_ids for rid, out in got.items()} == expected
+    assert all(out.finished and out.error is None for out in got.values())
+    assert after.outputs[0].token_ids == expected["n-0"]
+    assert not engine.has_unfinished_requests()
+    engine.kv.check_integrity()
+    assert engine.stats().blocks_in_use == 0
+
+
 def test_queue_bound_raises_queue_full(engine):
     front = AsyncLLM(engine, max_waiting=2)
     # Not started: accepted requests stay pending, so the bound is exact.

@@ -1,6 +1,7 @@
 """The sampler's filters against a brute-force reference on small vocabularies."""
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -61,3 +62,43 @@ def test_penalties_follow_their_definitions():
     _apply_penalties(work[0], row, 4)
     # token 0: seen twice in the output; token 1: in the prompt only; others untouched.
     assert torch.allclose(work[0], torch.tensor([2.0 / 2 - 0.5 * 2 - 0.25, -2.0 * 2, 1.0, 0.5]))
+
+
+def _good_rows() -> list[SamplingRow]:
+    def seeded(seed: int, **kw) -> SamplingRow:
+        return SamplingRow(SamplingParams(seed=seed, **kw), [1, 2], [3],
+                           generator=torch.Generator().manual_seed(seed))
+    return [
+        SamplingRow(SamplingParams(temperature=0.0), [1], []),
+        seeded(11, temperature=0.9, top_p=0.8, logprobs=2),
+        SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=0), [4, 5], [6]),
+        seeded(12, temperature=1.2, top_k=5, min_p=0.05),
+        seeded(13, temperature=0.7, frequency_penalty=0.5, min_tokens=3),
+    ]
+
+
+def _bad(field: str, value) -> SamplingRow:
+    params = SamplingParams(temperature=0.8, seed=99, logprobs=1)
+    setattr(params, field, value)  # a value that slipped past validation
+    return SamplingRow(params, [1], [2], generator=torch.Generator().manual_seed(99))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("logprobs", 10**6),            # topk beyond the vocabulary, after the draw
+    ("top_k", "five"),              # breaks the batched filter
+    ("temperature", "hot"),         # breaks the batched temperature division
+    ("repetition_penalty", None),   # breaks the row's own penalty pass
+])
+def test_a_row_that_cannot_be_sampled_fails_alone(field, value):
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    alone = Sampler()(logits[[0, 1, 2, 4, 5]].clone(), _good_rows())
+    rows = _good_rows()
+    rows.insert(3, _bad(field, value))
+    got = Sampler()(logits.clone(), rows)
+    assert got.errors[3] is not None and got.token_ids[3] == -1 and got.logprobs[3] is None
+    assert [e for i, e in enumerate(got.errors) if i != 3] == [None] * 5
+    keep = [0, 1, 2, 4, 5]
+    assert [got.token_ids[i] for i in keep] == alone.token_ids
+    assert [got.logprobs[i] for i in keep] == alone.logprobs
+    assert [got.top_logprobs[i] for i in keep] == alone.top_logprobs
+    assert alone.errors == []

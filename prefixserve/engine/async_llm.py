@@ -373,9 +373,13 @@ class AsyncLLM:
         try:
             outputs = self.engine.step()
         except Exception as exc:
+            # The engine contains failures of a request or of a forward and reports them per
+            # request (below); one escaping step() broke its own bookkeeping, so nothing in it
+            # can be trusted to continue.
             logger.exception("engine step failed; ending every request in the engine")
             self._fail_all_in_engine(EngineStepError(f"engine step failed: {exc!r}"))
             return
+        failures = self.engine.last_step_failures()
         for output in outputs:
             if output.finished:
                 self._in_engine.discard(output.request_id)
@@ -386,7 +390,10 @@ class AsyncLLM:
             if stream is None:
                 continue
             try:
-                stream._put(output)
+                if output.finished and output.request_id in failures:
+                    stream._fail(EngineStepError(failures[output.request_id]))
+                else:
+                    stream._put(output)
             except RuntimeError:
                 # The consumer's event loop is closed: nobody will read this request.
                 if not output.finished:

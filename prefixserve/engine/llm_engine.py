@@ -6,7 +6,9 @@ drive it through add_request / step / abort_request.
 """
 from __future__ import annotations
 
+import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -30,6 +32,15 @@ from prefixserve.worker.sampler import SamplingRow
 
 PromptInput = Union[str, list[int], dict[str, Any]]
 MAX_DEFAULT_MODEL_LEN = 32768
+logger = logging.getLogger(__name__)
+# A request in this many failed steps in a row is ended even if never alone in one. A bisection
+# puts a request in at most log2(step size) + 1 of them, far fewer for any batch that fits;
+# this bounds the case where its retry group could not be scheduled and the search restarted.
+_MAX_FAILED_STEPS = 32
+# Sampled in place of a request whose own row could not be built: the forward still computes
+# its tokens (others may read its K/V in the same step) and the token drawn is thrown away.
+_STAND_IN = SamplingRow(params=SamplingParams(temperature=0.0, max_tokens=1),
+                        prompt_token_ids=(), output_token_ids=())
 
 
 @dataclass
@@ -56,6 +67,7 @@ class _Group:
     samples: dict[str, _Sample] = field(default_factory=dict)  # scheduler request id -> sample
     cache_pins: tuple[CachePin, ...] = ()
     pin_results: list[PinResult] = field(default_factory=list)
+    error: Optional[str] = None  # why the engine ended it when a step failed on it
 
 
 class LLMEngine:
@@ -97,6 +109,12 @@ class LLMEngine:
         self._sample_to_group: dict[str, str] = {}
         self._requests_finished = 0
         self._contents = CachedContentStore()
+        # After a failed forward its requests re-run in groups, front group first, until the one
+        # that fails alone is found; strikes count each request's failed steps since it last
+        # completed one, a backstop should groups keep failing without the search converging.
+        self._probes: deque[list[str]] = deque()
+        self._strikes: dict[str, int] = {}
+        self._step_failures: dict[str, str] = {}
         self.info = EngineInfo(
             model=config.model, model_identity=self.loaded.identity,
             dtype=dtype_name(next(self.loaded.model.parameters()).dtype),
@@ -205,6 +223,7 @@ class LLMEngine:
                 self.scheduler.finish_request(sid, RequestStatus.FINISHED_ABORTED)
                 self.scheduler.release(sid)
                 self._sample_to_group.pop(sid, None)
+                self._strikes.pop(sid, None)
             self._requests_finished += 1
         self._drop_worker_rows_if_idle()
 
@@ -219,69 +238,257 @@ class LLMEngine:
             self.runner.drop_requests(self.scheduler.take_dropped_ids())
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduling step; returns the (cumulative) output of every request that moved."""
-        plan = self.scheduler.schedule()
-        rows: list[SamplingRow] = []
-        row_owner: list[tuple[str, int]] = []
-        for seq in plan.sequences:
-            if not seq.sample:
-                continue
-            req = self.scheduler.get_request(seq.request_id)
-            group = self._groups[self._sample_to_group[seq.request_id]]
-            for k in range(seq.num_samples):
-                if seq.num_samples > 1 and k > 0:
-                    child_id = child_request_id(seq.request_id, k)
-                    sample = self._new_sample(group, k, group.params.seed)
-                    group.samples[child_id] = sample
-                    self._sample_to_group[child_id] = group.request_id
-                else:
-                    sample = group.samples[seq.request_id]
-                rows.append(SamplingRow(
-                    params=group.params,
-                    prompt_token_ids=req.prompt_token_ids,
-                    output_token_ids=req.output_token_ids,
-                    min_tokens_blocked=req.eos_token_ids | frozenset(group.params.stop_token_ids),
-                    generator=sample.generator,
-                ))
-                row_owner.append((seq.request_id, k))
+        """Runs one scheduling step; returns the (cumulative) output of every request that moved.
+
+        A failure in one request's part of the step (its sampling row, its sampling, applying
+        its token, its text, its pins, its output) ends that request alone, with an output whose
+        finish_reason is "abort" and whose error says why. A failed batched forward names no
+        culprit: the step is undone and its requests re-run in smaller groups in the next
+        steps, and only a request that fails alone is ended (`last_step_failures`)."""
+        self._step_failures = {}
+        probe = self._next_probe()
+        plan = self.scheduler.schedule(only=probe)
+        failed: dict[str, str] = {}
+        children: dict[str, tuple[str, _Sample]] = {}
+        rows, row_owner = self._sampling_rows(plan, failed, children)
         try:
             result = self.runner.execute(plan, rows)
+        except Exception as exc:
+            return self._recover(plan, probe is not None, failed, exc)
         except BaseException:
-            self._fail_step(plan)
+            # Interrupted: undone, so the caller's aborts find every block accounted for.
+            self._undo_step(plan)
             raise
+        self._step_passed(plan, probe is not None)
+
+        moved: set[str] = set()
+        for i, err in enumerate(result.errors):
+            if err is not None:
+                self._note_failure(failed, self._sample_to_group[row_owner[i][0]], "sampling", err)
+        # Before its tokens are applied, so a failed request gains none.
+        for gid, why in failed.items():
+            self._fail_group(gid, why)
+            moved.add(gid)
 
         sampled: dict[str, list[int]] = {}
         for (rid, _), token in zip(row_owner, result.token_ids):
             sampled.setdefault(rid, []).append(token)
         touched = self.scheduler.update_from_output(plan, sampled)
+        errors = self.scheduler.take_errors()
+        if children:
+            for sid in [r.request_id for r in touched] + list(errors):
+                if sid in children:
+                    gid, sample = children.pop(sid)
+                    self._groups[gid].samples[sid] = sample
+                    self._sample_to_group[sid] = gid
+        for sid, exc in errors.items():
+            gid = self._sample_to_group[sid]
+            self._fail_group(gid, self._why("applying its sampled token", exc, gid))
+            moved.add(gid)
 
-        moved: set[str] = set()
         for (rid, k), logprob, top in zip(row_owner, result.logprobs, result.top_logprobs):
             sid = rid if k == 0 else child_request_id(rid, k)
-            if logprob is not None:
-                self._groups[self._sample_to_group[sid]].samples[sid].logprobs.append((logprob, top))
+            gid = self._sample_to_group.get(sid)
+            if logprob is not None and gid is not None and self._groups[gid].error is None:
+                self._groups[gid].samples[sid].logprobs.append((logprob, top))
         for req in touched:
             gid = self._sample_to_group[req.request_id]
             group = self._groups[gid]
-            if group.cache_pins and req.request_id == gid and req.num_output_tokens == 1:
-                self._apply_pins(group)
-            self._advance_text(group, req)
             moved.add(gid)
+            if group.error is not None:
+                continue
+            stage = "placing its cache pins"
+            try:
+                if group.cache_pins and req.request_id == gid and req.num_output_tokens == 1:
+                    self._apply_pins(group)
+                stage = "turning its tokens into text"
+                self._advance_text(group, req)
+            except Exception as exc:
+                self._fail_group(gid, self._why(stage, exc, gid))
+        return self._finish_step(moved)
+
+    def _finish_step(self, moved: set[str]) -> list[RequestOutput]:
+        moved.update(self._step_failures)
         for sid in self.scheduler.take_failed():
             moved.add(self._sample_to_group[sid])
         self._drop_worker_rows_if_idle()
-        return [self._emit(gid) for gid in sorted(moved, key=lambda g: self._groups[g].arrival_time)]
+        return [self._emit_or_fail(gid)
+                for gid in sorted(moved, key=lambda g: self._groups[g].arrival_time)]
 
-    def _fail_step(self, plan) -> None:
-        """A forward that raised may have left blocks registered in the cache unwritten.
+    def last_step_failures(self) -> dict[str, str]:
+        """Requests the latest step ended because the engine failed on them: id -> why. Each
+        one's final output (finish_reason "abort", error set) was among that step's outputs."""
+        return dict(self._step_failures)
 
-        Every request of the step is aborted (its blocks freed) and every cached hash
-        dropped, so no later request can reuse K/V that was never computed.
-        """
-        gids = {self._sample_to_group[s.request_id] for s in plan.sequences
-                if s.request_id in self._sample_to_group}
-        self.abort_request(sorted(gids))
-        self.kv.reset_prefix_cache()
+    def _sampling_rows(self, plan, failed: dict[str, str],
+                       children: dict[str, tuple[str, _Sample]]
+                       ) -> tuple[list[SamplingRow], list[tuple[str, int]]]:
+        rows: list[SamplingRow] = []
+        row_owner: list[tuple[str, int]] = []
+        for seq in plan.sequences:
+            if not seq.sample:
+                continue
+            gid = self._sample_to_group[seq.request_id]
+            try:
+                seq_rows = self._rows_of(seq, self._groups[gid], children)
+            except Exception as exc:
+                self._note_failure(failed, gid, "preparing its sampling", exc)
+                seq_rows = [_STAND_IN] * seq.num_samples
+            rows.extend(seq_rows)
+            row_owner.extend((seq.request_id, k) for k in range(seq.num_samples))
+        return rows, row_owner
+
+    def _rows_of(self, seq, group: _Group,
+                 children: dict[str, tuple[str, _Sample]]) -> list[SamplingRow]:
+        req = self.scheduler.get_request(seq.request_id)
+        blocked = req.eos_token_ids | frozenset(group.params.stop_token_ids)
+        rows = []
+        for k in range(seq.num_samples):
+            if k > 0:
+                # Joins the group once the scheduler has forked it, so a step that fails first
+                # leaves no sample without a request behind.
+                sample = self._new_sample(group, k, group.params.seed)
+                children[child_request_id(seq.request_id, k)] = (group.request_id, sample)
+            else:
+                sample = group.samples[seq.request_id]
+            rows.append(SamplingRow(
+                params=group.params,
+                prompt_token_ids=req.prompt_token_ids,
+                output_token_ids=req.output_token_ids,
+                min_tokens_blocked=blocked,
+                generator=sample.generator,
+            ))
+        return rows
+
+    # ------------------------------------------------------ failure isolation
+    @staticmethod
+    def _why(stage: str, exc: BaseException, gid: str) -> str:
+        # The type only: this text reaches clients, and an exception's message may show internals.
+        logger.error("engine failed on request %s while %s", gid, stage, exc_info=exc)
+        return f"the engine failed on this request while {stage} ({type(exc).__name__})"
+
+    def _note_failure(self, failed: dict[str, str], gid: str, stage: str,
+                      exc: BaseException) -> None:
+        if gid not in failed:
+            failed[gid] = self._why(stage, exc, gid)
+
+    def _fail_group(self, gid: str, why: str) -> None:
+        """Ends every sample of a request the engine failed on; its next output carries why."""
+        group = self._groups.get(gid)
+        if group is None or group.error is not None:
+            return
+        group.error = why
+        self._step_failures[gid] = why
+        for sid, sample in group.samples.items():
+            self.scheduler.finish_request(sid, RequestStatus.FINISHED_ABORTED)
+            self._strikes.pop(sid, None)
+            if sample.finish_reason is None:
+                sample.finish_reason, sample.stop_reason = "abort", None
+
+    def _emit_or_fail(self, gid: str) -> RequestOutput:
+        try:
+            return self._emit(gid)
+        except Exception as exc:
+            self._fail_group(gid, self._why("building its output", exc, gid))
+        group = self._groups.pop(gid)
+        outputs = []
+        for sid, sample in sorted(group.samples.items(), key=lambda kv: kv[1].index):
+            req = self.scheduler.release(sid)
+            self._sample_to_group.pop(sid, None)
+            outputs.append(CompletionOutput(
+                index=sample.index, text=sample.text,
+                token_ids=list(req.output_token_ids) if req is not None else [],
+                finish_reason=sample.finish_reason or "abort"))
+        self._requests_finished += 1
+        return RequestOutput(
+            request_id=gid, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+            num_cached_tokens=0, outputs=outputs, finished=True,
+            metrics=RequestMetrics(arrival_time=group.arrival_time), cache_salt=group.cache_salt,
+            error=group.error, pins=list(group.pin_results))
+
+    def _is_live(self, sid: str) -> bool:
+        return sid in self._sample_to_group and not self.scheduler.get_request(sid).is_finished
+
+    def _next_probe(self) -> Optional[set[str]]:
+        while self._probes:
+            live = [sid for sid in self._probes[0] if self._is_live(sid)]
+            if live:
+                self._probes[0] = live
+                return set(live)
+            self._probes.popleft()
+        return None
+
+    def _step_passed(self, plan, probing: bool) -> None:
+        scheduled = [seq.request_id for seq in plan.sequences]
+        if self._strikes:
+            for sid in scheduled:
+                self._strikes.pop(sid, None)
+        if probing:
+            # Cleared members leave the group; a group none of which could be scheduled
+            # (memory held elsewhere) is dropped, and its requests run with the others again.
+            done = set(scheduled)
+            rest = [sid for sid in self._probes[0] if sid not in done]
+            if rest and done:
+                self._probes[0] = rest
+            else:
+                self._probes.popleft()
+
+    def _recover(self, plan, probing: bool, failed: dict[str, str],
+                 exc: Exception) -> list[RequestOutput]:
+        """After a batched forward raised: undoes the step, ends the requests known to be at
+        fault, and queues the rest to re-run in halves (a bisection: a request is in at most
+        log2(step size) + 1 failed steps before it has failed alone or completed a step)."""
+        scheduled = [seq.request_id for seq in plan.sequences]
+        logger.error("engine step of %d requests failed", len(scheduled), exc_info=exc)
+        suspects = self._undo_step(plan)
+        if probing:
+            done = set(scheduled)
+            rest = [sid for sid in self._probes[0] if sid not in done]
+            if rest:
+                self._probes[0] = rest
+            else:
+                self._probes.popleft()
+        moved = set(failed)
+        for gid, why in failed.items():
+            self._fail_group(gid, why)
+        suspects = [sid for sid in suspects if self._is_live(sid)]
+        stage = "running the batched forward pass"
+        if len(scheduled) == 1 and suspects:
+            gid = self._sample_to_group[suspects[0]]
+            self._fail_group(gid, self._why(f"{stage} with it alone", exc, gid))
+            moved.add(gid)
+            suspects = []
+        for sid in suspects:
+            self._strikes[sid] = self._strikes.get(sid, 0) + 1
+            if self._strikes[sid] >= _MAX_FAILED_STEPS:
+                gid = self._sample_to_group[sid]
+                self._fail_group(gid, self._why(f"{stage}, in every retry", exc, gid))
+                moved.add(gid)
+        suspects = [sid for sid in suspects if self._is_live(sid)]
+        half = (len(suspects) + 1) // 2
+        for part in (suspects[half:], suspects[:half]):
+            if part:
+                self._probes.appendleft(part)
+        return self._finish_step(moved)
+
+    def _undo_step(self, plan) -> list[str]:
+        """Puts the step's requests back as they were before it; returns their ids."""
+        try:
+            rolled = self.scheduler.rollback(plan)
+            # The worker may not have dropped these before the forward failed.
+            self.runner.drop_requests(plan.dropped_ids)
+            return rolled
+        except Exception as exc:
+            # Which cached blocks were written is unknown after a broken undo: the step's
+            # requests end and every hash goes, so no request can read K/V never computed.
+            logger.error("undoing a failed step failed; ending its requests", exc_info=exc)
+            why = f"the engine failed to recover from a failed step ({type(exc).__name__})"
+            for seq in plan.sequences:
+                gid = self._sample_to_group.get(seq.request_id)
+                if gid is not None:
+                    self._fail_group(gid, why)
+            self.kv.reset_prefix_cache()
+            return []
 
     def _apply_pins(self, group: _Group) -> None:
         # The prompt's blocks were registered when allocated and are held by the
@@ -379,12 +586,14 @@ class LLMEngine:
                 logprobs=list(sample.logprobs) if group.params.logprobs is not None else None,
             ))
         # The group is complete once every one of its n samples exists and has
-        # finished, or its first sample ended before the fork could happen.
+        # finished, or its first sample ended before the fork could happen, or the
+        # engine failed on it (possibly part-way through the fork).
         first = self.scheduler.get_request(gid)
-        finished = all_done and (len(outputs) == group.params.n or
+        finished = all_done and (len(outputs) == group.params.n or group.error is not None or
                                  (first.is_finished and first.num_output_tokens == 0))
-        error = None
-        if first.status is RequestStatus.FINISHED_ABORTED and isinstance(first.stop_reason, str):
+        error = group.error
+        if error is None and first.status is RequestStatus.FINISHED_ABORTED and \
+                isinstance(first.stop_reason, str):
             error = first.stop_reason
         out = RequestOutput(
             request_id=gid, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,

@@ -300,6 +300,37 @@ class KVCacheManager:
             # prompts are likelier to share.
             self._pool.release(reversed(req.table))
 
+    def rewind(self, request_id: str, num_tokens: int) -> None:
+        """Takes a request back to holding the K/V of its first num_tokens tokens, after a step
+        that scheduled more of them failed: the blocks it registered for positions from
+        num_tokens on leave the index (their K/V may never have been written) and the blocks
+        past num_tokens go back to the pool. Blocks before num_tokens, and every hash another
+        request registered, stay as they are."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise ValueError(f"cannot rewind unknown request {request_id!r}")
+        bs = self.block_size
+        if not 0 <= num_tokens <= len(req.table) * bs:
+            raise ValueError(f"request {request_id!r}: cannot rewind to {num_tokens} tokens with "
+                             f"{len(req.table)} blocks")
+        pool = self._pool
+        blocks = pool.blocks
+        keep_hashes = num_tokens // bs
+        table, hashes = req.table, req.hashes
+        for j in range(keep_hashes, len(hashes)):
+            # Only this request's own registration at j is dropped: a block holding positions
+            # at or past num_tokens was filled in the failed step, so nobody else can rely on it
+            # except requests of that same step, which are rewound too.
+            if blocks[table[j]].hash == hashes[j]:
+                pool.uncache(table[j])
+        del hashes[keep_hashes:]
+        del req.canon[keep_hashes:]
+        del req.canon_gen[keep_hashes:]
+        keep_blocks = -(-num_tokens // bs)
+        released = table[keep_blocks:]
+        del table[keep_blocks:]
+        pool.release(reversed(released))
+
     def fork(self, parent_id: str, child_id: str) -> None:
         parent = self._requests.get(parent_id)
         if parent is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Collection, Iterable, Optional
 
 from prefixserve.errors import DuplicateRequestError, InvalidRequestError, PromptTooLongError, QueueFullError
 from prefixserve.kv import Allocation, KVCacheManager
@@ -32,6 +32,18 @@ class SchedulerStats:
     steps: int = 0
 
 
+@dataclass
+class _Undo:
+    """What a step changed in a request it admitted or copied blocks for, beyond its blocks.
+    A running request without copies needs no record: its plan entry's start_pos is where
+    it stood."""
+    status: RequestStatus        # before the step: RUNNING, or WAITING / PREEMPTED if admitted
+    admitted: bool
+    copied: bool                 # copy-on-write replaced one of its blocks in this step
+    num_cached_tokens: int
+    first_scheduled_time: Optional[float]
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -46,6 +58,11 @@ class Scheduler:
         # Requests the worker holds a block table row for, and those whose rows it must drop next.
         self._worker_rows: set[str] = set()
         self._dropped: list[str] = []
+        # The latest plan and how to undo it, should its forward fail.
+        self._last_plan: Optional[SchedulerOutput] = None
+        self._undo: dict[str, _Undo] = {}
+        # Requests ended while their sampled tokens were applied: id -> the exception.
+        self._errors: dict[str, BaseException] = {}
 
     # ----------------------------------------------------------------- intake
     def add_request(self, req: Request) -> None:
@@ -79,18 +96,25 @@ class Scheduler:
                 f"{self.kv.num_blocks}; raise kv_cache_memory or num_kv_blocks", param="prompt")
 
     # --------------------------------------------------------------- planning
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, only: Optional[Collection[str]] = None) -> SchedulerOutput:
+        """Plans the next step. With `only`, just those requests are scheduled or admitted (the
+        engine re-runs the requests of a failed step in smaller groups to find the one that
+        fails); others may still be preempted to make room for them."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
         self.stats.steps += 1
         self.running.sort(key=self._importance)
+        self._undo = {}
+        self._last_plan = out
 
         for req in list(self.running):
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if only is not None and req.request_id not in only:
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
@@ -109,21 +133,33 @@ class Scheduler:
             out.block_copies.extend(alloc.copies)
             budget -= num_new
             scheduled.add(req.request_id)
+            if alloc.copies:
+                self._undo[req.request_id] = _Undo(RequestStatus.RUNNING, False, True,
+                                                   req.num_cached_tokens, req.first_scheduled_time)
             out.sequences.append(self._plan(req, num_new, alloc))
 
         # New work only joins a step that did not have to take memory back.
         if not out.preempted_ids:
-            self._admit_waiting(out, budget, scheduled)
-        if out.is_empty and not self.running and self.waiting:
+            self._admit_waiting(out, budget, scheduled, only)
+        if out.is_empty and not self.running and self.waiting and only is None:
             self._fail_unservable(self.waiting[0])
         out.dropped_ids = self.take_dropped_ids()
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set[str]) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set[str],
+                       only: Optional[Collection[str]]) -> None:
         if len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=self._importance))
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
+        candidates = None if only is None else [r for r in self.waiting if r.request_id in only]
+        while budget > 0:
+            if candidates is None:
+                if not self.waiting:
+                    break
+                req = self.waiting[0]
+            elif candidates:
+                req = candidates.pop(0)
+            else:
+                break
             seats = req.sampling_params.n if req.sample_index == 0 and req.num_output_tokens == 0 else 1
             if self.running and len(self.running) + seats > self.config.max_num_seqs:
                 break
@@ -136,8 +172,13 @@ class Scheduler:
                 cache_salt=req.cache_salt, priority=req.priority)
             if alloc is None:
                 break
-            self.waiting.popleft()
+            if candidates is None:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(req)
             out.block_copies.extend(alloc.copies)
+            self._undo[req.request_id] = _Undo(req.status, True, bool(alloc.copies),
+                                               req.num_cached_tokens, req.first_scheduled_time)
             req.num_computed_tokens = hit.num_tokens
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit.num_tokens
@@ -216,23 +257,87 @@ class Scheduler:
         failed, self._failed = self._failed, []
         return failed
 
+    def rollback(self, out: SchedulerOutput) -> list[str]:
+        """Puts every request the latest plan scheduled back where it was before that plan,
+        after the step's forward raised: its tokens are scheduled again, the hashes registered
+        for them leave the cache (their K/V may never have been written) and a request the plan
+        admitted waits again. Preemptions and failures the plan decided stand, being valid
+        whatever the forward did. Returns the ids put back, in plan order."""
+        if out is not self._last_plan:
+            raise ValueError("only the latest plan can be rolled back, before the next is made")
+        undo, self._undo, self._last_plan = self._undo, {}, None
+        rolled: list[str] = []
+        for seq in out.sequences:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.is_finished:
+                continue
+            u = undo.get(seq.request_id)
+            self.stats.computed_tokens -= seq.num_tokens
+            self.stats.computed_prompt_tokens -= max(
+                0, min(seq.seq_len, req.num_prompt_tokens) - seq.start_pos)
+            # The worker may hold this step's blocks in its row, or no row at all: it gets the
+            # whole table again when the request is next scheduled.
+            self._drop_worker_row(req.request_id)
+            self.kv.rewind(req.request_id, seq.start_pos)
+            if u is None:
+                req.num_computed_tokens = seq.start_pos
+                rolled.append(req.request_id)
+                continue
+            self.kv.free(req.request_id)
+            self.running.remove(req)
+            req.num_computed_tokens = 0
+            if u.admitted:
+                req.status = u.status
+                if u.num_cached_tokens < 0:  # its first admission: undone as if never made
+                    self.stats.requests_admitted -= 1
+                    self.stats.prompt_tokens -= req.num_prompt_tokens
+                    self.stats.cached_prompt_tokens -= seq.start_pos
+                req.num_cached_tokens = u.num_cached_tokens
+                req.first_scheduled_time = u.first_scheduled_time
+            else:
+                # A copy-on-write target may never have received its copy, so its table
+                # cannot be trusted: the request is recomputed as after a preemption, its
+                # blocks from before this step still cached.
+                req.status = RequestStatus.PREEMPTED
+                req.num_preemptions += 1
+            self.waiting.appendleft(req)
+            rolled.append(req.request_id)
+        return rolled
+
+    def take_errors(self) -> dict[str, BaseException]:
+        """Requests ended since the last call because applying their sampled tokens raised
+        (forked samples included), each with its exception."""
+        errors, self._errors = self._errors, {}
+        return errors
+
     # ---------------------------------------------------------------- results
     def update_from_output(self, out: SchedulerOutput,
                            sampled: dict[str, list[int]]) -> list[Request]:
         """Applies sampled tokens; returns every request that gained tokens or finished."""
         touched: list[Request] = []
         now = self.clock()
+        self._undo, self._last_plan = {}, None
         for seq in out.sequences:
             req = self.requests.get(seq.request_id)
             if req is None or req.is_finished or not seq.sample:
                 continue
-            tokens = sampled[seq.request_id]
-            if seq.num_samples > 1:
-                for index, token in enumerate(tokens[1:], start=1):
-                    child = self._fork(req, index)
-                    self._accept_token(child, token, now)
-                    touched.append(child)
-            self._accept_token(req, tokens[0], now)
+            forked: list[Request] = []
+            try:
+                tokens = sampled[seq.request_id]
+                if seq.num_samples > 1:
+                    for index, token in enumerate(tokens[1:], start=1):
+                        child = self._fork(req, index)
+                        forked.append(child)
+                        self._accept_token(child, token, now)
+                self._accept_token(req, tokens[0], now)
+            except Exception as exc:
+                # A value of this request's that slipped through validation (its stop ids,
+                # say) ends this request alone; the step's others keep their tokens.
+                for r in (req, *forked):
+                    self.finish_request(r.request_id, RequestStatus.FINISHED_ABORTED)
+                    self._errors[r.request_id] = exc
+                continue
+            touched.extend(forked)
             touched.append(req)
         return touched
 

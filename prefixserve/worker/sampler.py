@@ -4,6 +4,13 @@ Work is batched across rows wherever the rows agree (greedy argmax, the
 sorting filters); a per-row loop remains only where each row owns state: its
 penalty counts and its random generator. A request's generator is its own, so
 a seeded request samples the same tokens whatever else shares the batch.
+
+Rows fail alone: what a row's own parameters drive runs under a guard per row,
+and a batched stage that raises is redone row by row, so a row whose values
+cannot be sampled (a field that slipped through validation) is reported in
+`SampleResult.errors` while every other row gets the token it would have got
+without it. Random draws happen only in the per-row part, so a failing row never
+advances another row's generator.
 """
 from __future__ import annotations
 
@@ -32,6 +39,9 @@ class SampleResult:
     # and the k most likely alternatives, for rows that asked for logprobs.
     logprobs: list[Optional[float]] = field(default_factory=list)
     top_logprobs: list[Optional[list[tuple[int, float]]]] = field(default_factory=list)
+    # Per row, the exception that kept it from being sampled (its token is then -1), else
+    # None; empty when nothing failed.
+    errors: list[Optional[BaseException]] = field(default_factory=list)
 
 
 class Sampler:
@@ -50,48 +60,91 @@ class Sampler:
         vocab = logits.shape[-1]
         if self.vocab_limit is not None and self.vocab_limit < vocab:
             logits[:, self.vocab_limit:] = float("-inf")
+        errors: list[Optional[BaseException]] = [None] * len(rows)
 
         want_logprobs = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
+        random_rows = []
         for i, row in enumerate(rows):
-            if row.params.uses_penalties:
-                _apply_penalties(logits[i], row, vocab)
-            if row.min_tokens_blocked and len(row.output_token_ids) < row.params.min_tokens:
-                ids = [t for t in row.min_tokens_blocked if t < vocab]
-                logits[i, ids] = float("-inf")
+            try:
+                params = row.params
+                if params.uses_penalties:
+                    _apply_penalties(logits[i], row, vocab)
+                if row.min_tokens_blocked and len(row.output_token_ids) < params.min_tokens:
+                    ids = [t for t in row.min_tokens_blocked if t < vocab]
+                    logits[i, ids] = float("-inf")
+                if not params.greedy:
+                    random_rows.append(i)
+            except Exception as exc:
+                errors[i] = exc
 
         tokens = torch.argmax(logits, dim=-1)
-        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
-            idx = torch.tensor(random_rows, dtype=torch.long, device=self.device)
-            sub = logits.index_select(0, idx)
-            temps = torch.tensor([rows[i].params.temperature for i in random_rows],
-                                 dtype=sub.dtype, device=self.device).unsqueeze(1)
-            sub = _filter(sub / temps, [rows[i].params for i in random_rows])
-            probs = torch.softmax(sub, dim=-1)
-            for j, i in enumerate(random_rows):
-                gen = rows[i].generator or default_generator
-                # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p,
-                # using exactly one draw per vocabulary entry from this row's stream.
-                noise = torch.empty(vocab, dtype=probs.dtype, device=self.device).exponential_(generator=gen)
-                tokens[i] = torch.argmax(probs[j] / noise)
+            probs = self._random_probs(logits, rows, random_rows, errors)
+            for i in random_rows:
+                if errors[i] is not None:
+                    continue
+                try:
+                    gen = rows[i].generator or default_generator
+                    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p,
+                    # using exactly one draw per vocabulary entry from this row's stream.
+                    noise = torch.empty(vocab, dtype=probs[i].dtype,
+                                        device=self.device).exponential_(generator=gen)
+                    tokens[i] = torch.argmax(probs[i] / noise)
+                except Exception as exc:
+                    errors[i] = exc
 
         token_list = tokens.tolist()
         result = SampleResult(token_ids=token_list)
         for i, row in enumerate(rows):
-            if raw_logprobs is None or not want_logprobs[i]:
-                result.logprobs.append(None)
-                result.top_logprobs.append(None)
-                continue
-            result.logprobs.append(float(raw_logprobs[i, token_list[i]]))
-            k = row.params.logprobs
-            if k:
-                values, ids = torch.topk(raw_logprobs[i], k)
-                result.top_logprobs.append(list(zip(ids.tolist(), values.tolist())))
-            else:
-                result.top_logprobs.append([])
+            logprob, top = None, None
+            if raw_logprobs is not None and want_logprobs[i] and errors[i] is None:
+                try:
+                    logprob = float(raw_logprobs[i, token_list[i]])
+                    top = []
+                    k = row.params.logprobs
+                    if k:
+                        values, ids = torch.topk(raw_logprobs[i], k)
+                        top = list(zip(ids.tolist(), values.tolist()))
+                except Exception as exc:
+                    errors[i] = exc
+                    logprob, top = None, None
+            result.logprobs.append(logprob)
+            result.top_logprobs.append(top)
+        if any(e is not None for e in errors):
+            for i, e in enumerate(errors):
+                if e is not None:
+                    result.token_ids[i] = -1
+            result.errors = errors
         return result
+
+    def _random_probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                      random_rows: list[int], errors: list[Optional[BaseException]]
+                      ) -> dict[int, torch.Tensor]:
+        """Each random row's distribution after temperature, top-k, top-p and min-p: for all
+        rows at once, or row by row when that raises, so the row that breaks it is found."""
+        try:
+            probs = self._filtered_probs(logits, rows, random_rows)
+            return {i: probs[j] for j, i in enumerate(random_rows)}
+        except Exception:
+            pass
+        out: dict[int, torch.Tensor] = {}
+        for i in random_rows:
+            try:
+                out[i] = self._filtered_probs(logits, rows, [i])[0]
+            except Exception as exc:
+                errors[i] = exc
+        return out
+
+    def _filtered_probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                        picked: list[int]) -> torch.Tensor:
+        idx = torch.tensor(picked, dtype=torch.long, device=self.device)
+        sub = logits.index_select(0, idx)
+        temps = torch.tensor([rows[i].params.temperature for i in picked],
+                             dtype=sub.dtype, device=self.device).unsqueeze(1)
+        sub = _filter(sub / temps, [rows[i].params for i in picked])
+        return torch.softmax(sub, dim=-1)
 
 
 def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow, vocab: int) -> None:
