@@ -3,7 +3,11 @@ after the fixes can be measured with the same cache code.
 
 Per rule, for the tenants (salts) or requests it fired on:
   tool-order        tools sorted by name, every definition's keys sorted (whole salt).
-  whitespace-drift  every text normalised with textdiff.normalize_whitespace (whole salt).
+  whitespace-drift  every text (message, system prompt, tools, completion prompt) sent as the
+                    first variant the salt sent of it, variants being texts equal without
+                    whitespace (whole salt): what a prompt builder that normalises once
+                    produces. Replies count as sent, so history that re-wraps a reply gets
+                    the reply's own text back.
   dynamic-system    every value the rule saw change is replaced by one fixed placeholder in
                     that salt's system prompts; the request's own values move to a context
                     line at the start of its last message.
@@ -13,11 +17,14 @@ Per rule, for the tenants (salts) or requests it fired on:
                     its own new messages (from the first message both share after the change);
                     its later turns inherit that appended history.
   short-prefix      not rewritten: the fix adds content, which a simulation cannot invent.
+lint applies a rule's fix to a salt only where the replay shows it does not lower that salt's
+reuse (see lint.py).
 A user message that was the last message of an earlier request is replaced, in later
 histories, by the rewritten text that request actually sent (an app stores what it sent).
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -25,9 +32,13 @@ from typing import Optional
 from prefixserve.diagnose.log_reader import LogRecord
 from prefixserve.diagnose.rules import Finding, canonical_tools
 from prefixserve.diagnose.rules.base import message_key
-from prefixserve.diagnose.textdiff import EDGE_PUNCT, PATTERN_KINDS, normalize_whitespace, value_kind
+from prefixserve.diagnose.textdiff import (EDGE_PUNCT, PATTERN_KINDS, normalize_whitespace,
+                                           value_kind, without_whitespace)
 
 PLACEHOLDER = "[see context]"
+# The rules whose fixes rewrite the log (short-prefix's would have to invent content).
+SIMULATED_RULES = frozenset({"tool-order", "whitespace-drift", "dynamic-system",
+                             "volatile-prefix", "history-rewrite"})
 _WORD = re.compile(r"\S+")
 _PLACEHOLDER_RUN = re.compile(re.escape(PLACEHOLDER) + r"(?:\s+" + re.escape(PLACEHOLDER) + ")+")
 
@@ -69,6 +80,7 @@ class Fixer:
         self._sent: dict[tuple, str] = {}           # (salt, original last user text) -> sent text
         self._transcripts: dict[str, tuple[list[dict], int]] = {}
         self._originals: dict[str, LogRecord] = {}
+        self._variants: dict[tuple, str] = {}       # (salt, text without whitespace) -> text
 
     def apply(self, records: list[LogRecord]) -> list[LogRecord]:
         return [self._fix(r) for r in records]
@@ -91,13 +103,14 @@ class Fixer:
                 out.append({**msg, "content": self._sent[(salt, content)]})
                 continue
             text = content
-            if salt in self.plan.whitespace_salts:
-                text = normalize_whitespace(text)
             if index == 0 and msg["role"] == "system":
                 text, taken = self._move_volatile(record.request_id, text)
                 moved += taken
                 text, values = self._mask_values(salt, text)
                 moved += values
+            # After masking: a system prompt whose values and whitespace both drift becomes one
+            # text only once both are fixed.
+            text = self._one_variant(salt, text)
             out.append({**msg, "content": text})
         if moved and isinstance(out[last].get("content"), str):
             original = messages[last]["content"]
@@ -108,7 +121,17 @@ class Fixer:
         tools = record.tools
         if tools and salt in self.plan.canonical_tool_salts:
             tools = canonical_tools(tools)
+        if tools and salt in self.plan.whitespace_salts:
+            tools = json.loads(self._one_variant(salt, json.dumps(tools)))
+        if record.output_text is not None:
+            self._one_variant(salt, record.output_text)
         return replace(record, messages=out, tools=tools)
+
+    def _one_variant(self, salt, text: str) -> str:
+        """The first text this salt sent that equals `text` without whitespace."""
+        if salt not in self.plan.whitespace_salts:
+            return text
+        return self._variants.setdefault((salt, without_whitespace(text)), text)
 
     def _appended_history(self, record: LogRecord) -> list[dict]:
         rid = record.request_id
@@ -165,9 +188,7 @@ class Fixer:
     def _fix_prompt(self, record: LogRecord) -> LogRecord:
         if not isinstance(record.prompt, str):
             return record
-        text = record.prompt
-        if record.cache_salt in self.plan.whitespace_salts:
-            text = normalize_whitespace(text)
+        text = self._one_variant(record.cache_salt, record.prompt)
         text, taken = self._move_volatile(record.request_id, text)
         if taken:
             head, _, tail = text.rpartition("\n")

@@ -1,23 +1,52 @@
-"""`lint`: why the requests of a log miss the prefix cache, and what fixing it would gain.
+"""`lint`: why the requests of a log miss the prefix cache, what each cause costs, and what
+fixing it would gain.
 
-For each request, in log order: render it (chat template + tokenizer), find the closest
-earlier request with the same salt (longest common token prefix) and the first token where
-they differ, and run every rule on the pair. "Reusable" tokens come from replaying the log
-through prefixserve.kv with a pool that never evicts, so they are exactly what the engine
-would reuse with unbounded memory. The log is then rewritten as if every suggested fix were
-applied (see fixes.py) and replayed again; a request's gain is credited to its first finding.
+"Reusable" tokens come from replaying the log through prefixserve.kv with a pool that never
+evicts, so they are exactly what the engine would reuse with unbounded memory.
+
+Comparison. For each request R, in log order: render it (chat template + tokenizer) and report
+the first token where it differs from the closest earlier request with the same salt (longest
+common token prefix). Rules run on R paired with that request and with the earlier request
+holding the most of R's conversation (messages compared whitespace-blind): a mistake early in
+the prompt (a timestamp, shuffled tools, drifting whitespace) can make another conversation the
+token-closest one while R's own previous turn is what it would have reused. The pair kept is
+the one whose findings explain the most reuse. A part that differs only in whitespace is
+whitespace-drift's, whichever other rule would also match it.
+
+Tokens lost, one definition for every rule. Let E be the earlier request R is compared with and
+f_1..f_n R's findings in prompt order. R_0 = R; R_k = R_{k-1} with the part f_k names made
+identical to E's (the rule's `restore`). reach(R_k) = the prompt tokens the engine reuses for
+R_k: a lookup (find_cached_prefix) in the cache exactly as the requests logged before R left
+it. Then
+
+    tokens_lost(f_k) = max(0, reach(R_k) - max(reach(R_0), ..., reach(R_{k-1})))
+
+the tokens after the divergence that the engine would have reused had that part been E's,
+beyond what the earlier causes already account for: a request's findings split its recoverable
+reuse without counting a token twice, and a later cause is not hidden by an earlier one.
+short-prefix has no differing part (its cause is the block granularity): its reach is the
+shared prefix counted token by token, i.e. what one-token blocks would reuse. A finding that
+loses no token explains no miss and is not reported, so a reported loss is never 0.
+
+Fixes. Per salt, the log is rewritten as if the fired rules' fixes were applied (fixes.py) and
+replayed through the same kv code. A fix that would lower the salt's predicted reuse is
+withdrawn (the fix whose removal gains most goes first, until removing any would not gain), so
+"reusable after fixes" is never below "reusable as logged", and a withdrawn fix is reported as
+not proposed for that salt.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from prefixserve.diagnose.divergence import ClosestPrefixIndex, Divergence, describe_divergence
-from prefixserve.diagnose.fixes import apply_fixes
+from prefixserve.diagnose.fixes import SIMULATED_RULES, apply_fixes
 from prefixserve.diagnose.log_reader import LogRecord
 from prefixserve.diagnose.render import RenderedRequest, Renderer
 from prefixserve.diagnose.replay import ReplayRequest, replay_unbounded
-from prefixserve.diagnose.rules import RULES, Finding, Pair
+from prefixserve.diagnose.rules import RULES, RULES_BY_ID, Finding, Pair
+from prefixserve.diagnose.rules.base import content_key
+from prefixserve.prompt import common_prefix_len
 
 
 @dataclass
@@ -30,9 +59,13 @@ class RequestReport:
     fixed_reusable_tokens: int
     divergence: Optional[Divergence]
     findings: list[Finding]
+    # The earlier request its findings compare with (the closest one when it has none); the
+    # fix simulation continues that request's conversation.
+    compared_to: Optional[str] = None
 
     def to_dict(self) -> dict:
         return {"request_id": self.request_id, "cache_salt": self.cache_salt,
+                "compared_to": self.compared_to,
                 "tokens": self.tokens, "reusable_tokens": self.reusable_tokens,
                 "after_fixes": {"tokens": self.fixed_tokens,
                                 "reusable_tokens": self.fixed_reusable_tokens},
@@ -46,6 +79,8 @@ class RuleSummary:
     title: str
     fix: str
     findings: list[Finding]
+    # salts the rule fired for whose simulated fix would have lowered reuse: not proposed there
+    fix_withheld: list[Optional[str]] = field(default_factory=list)
 
     @property
     def requests(self) -> list[str]:
@@ -58,6 +93,7 @@ class RuleSummary:
     def to_dict(self) -> dict:
         return {"rule": self.rule, "title": self.title, "fix": self.fix,
                 "requests": self.requests, "tokens_lost": self.tokens_lost,
+                "fix_withheld_for": self.fix_withheld,
                 "findings": [f.to_dict() for f in self.findings]}
 
 
@@ -119,57 +155,214 @@ def cached_sequence(r: RenderedRequest) -> list[int]:
     return r.token_ids + (r.output_token_ids if r.record.output_text is not None else [])
 
 
+class ConversationIndex:
+    """Finds the earlier request (same salt) holding the most of a request's conversation: its
+    messages after the system prompt, compared whitespace-blind and weighted by length, an
+    earlier request's logged reply counting as the assistant message that follows it. That is
+    the request's own previous turn when it has one, whatever happened to its preamble."""
+
+    MAX_PER_MESSAGE = 32   # a message every request repeats (a fixed example) names only recent ones
+
+    def __init__(self) -> None:
+        self._holders: dict[tuple, list[str]] = {}
+        self._order: dict[str, int] = {}
+
+    def add(self, record: LogRecord) -> None:
+        keys = {content_key(m) for m in _conversation(record)}
+        if record.output_text is not None:
+            keys.add(content_key({"role": "assistant", "content": record.output_text}))
+        for key in keys:
+            holders = self._holders.setdefault((record.cache_salt, key), [])
+            holders.append(record.request_id)
+            if len(holders) > self.MAX_PER_MESSAGE:
+                del holders[0]
+        self._order[record.request_id] = len(self._order)
+
+    def closest(self, record: LogRecord) -> Optional[str]:
+        scores: dict[str, int] = {}
+        for msg in _conversation(record):
+            content = msg.get("content")
+            weight = 1 + (len(content) if isinstance(content, str) else 0)
+            for rid in self._holders.get((record.cache_salt, content_key(msg)), ()):
+                scores[rid] = scores.get(rid, 0) + weight
+        if not scores:
+            return None
+        return max(scores, key=lambda rid: (scores[rid], self._order[rid]))
+
+
+def _conversation(record: LogRecord) -> list[dict]:
+    if not record.is_chat:
+        return []
+    msgs = record.messages
+    return msgs[1:] if msgs and msgs[0]["role"] == "system" else msgs
+
+
+# How a finding's reach is measured: a probe's kv hit, the shared prefix counted token by token
+# (short-prefix), or nothing new (its part could not be restored).
+_Reach = Union[tuple[str, int], tuple[str]]
+
+
+@dataclass
+class _Candidate:
+    """R paired with one earlier request: the findings and the counterfactual prompts R_1..R_k."""
+    earlier_id: str
+    findings: list[Finding]
+    reaches: list[_Reach]
+    probes: list[list[int]]
+    score: int = 0
+
+
 def lint(records: list[LogRecord], renderer: Renderer, *, block_size: int = 16,
          source: str = "", model: str = "") -> LintReport:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     rendered = [renderer.render(r) for r in records]
-    hits = replay_unbounded(to_replay(rendered), block_size).hits
 
     def count_tokens(text: str) -> int:
         return len(renderer.tokenizer.encode(text, add_special_tokens=False))
 
     index = ClosestPrefixIndex()
+    conversations = ConversationIndex()
     by_id = {r.request_id: r for r in rendered}
     if len(by_id) != len(rendered):
         raise ValueError("request ids in the log are not unique")
     closest: dict[str, Optional[str]] = {}
     divergences: dict[str, Optional[Divergence]] = {}
-    findings: dict[str, list[Finding]] = {}
+    candidates: dict[str, list[_Candidate]] = {}
     for req in rendered:
         earlier_id, lcp = index.closest(req.token_ids, req.cache_salt)
         closest[req.request_id] = earlier_id
-        found: list[Finding] = []
-        if earlier_id is None:
-            divergences[req.request_id] = None
-        else:
+        divergences[req.request_id] = None
+        candidates[req.request_id] = []
+        if earlier_id is not None:
             earlier = by_id[earlier_id]
             divergences[req.request_id] = describe_divergence(
                 req.token_ids, index.get(earlier_id).token_ids, lcp, renderer.tokenizer.decode,
                 req.span_at, lambda p, e=earlier: _earlier_part(e, p), earlier_id)
-            pair = Pair(req, earlier, lcp, block_size, count_tokens)
-            found = [f for f in (rule.check(pair) for rule in RULES) if f is not None]
-            found.sort(key=lambda f: f.position)
-        findings[req.request_id] = found
+            own = conversations.closest(req.record)
+            for eid in dict.fromkeys(e for e in (earlier_id, own) if e is not None):
+                shared = lcp if eid == earlier_id else common_prefix_len(
+                    req.token_ids, index.get(eid).token_ids)
+                pair = Pair(req, by_id[eid], shared, block_size, count_tokens)
+                candidates[req.request_id].append(_candidate(pair, renderer))
         index.add(req.request_id, cached_sequence(req), req.cache_salt)
+        conversations.add(req.record)
+
+    probes = {rid: [ids for c in cands for ids in c.probes]
+              for rid, cands in candidates.items() if cands}
+    result = replay_unbounded(to_replay(rendered), block_size, probes=probes)
+    hits = result.hits
+
+    findings: dict[str, list[Finding]] = {}
+    compared: dict[str, Optional[str]] = dict(closest)
+    for req, hit in zip(rendered, hits):
+        cands = candidates[req.request_id]
+        probe_hits = result.probe_hits.get(req.request_id, [])
+        offset = 0
+        for cand in cands:
+            _measure(cand, hit, probe_hits[offset:offset + len(cand.probes)])
+            offset += len(cand.probes)
+        best = max(cands, key=lambda c: c.score, default=None)   # ties: the token-closest
+        kept = [f for f in best.findings if f.tokens_lost > 0] if best else []
+        findings[req.request_id] = kept
+        if kept:
+            compared[req.request_id] = best.earlier_id
 
     all_findings = [f for fs in findings.values() for f in fs]
-    fixed_records = apply_fixes(records, all_findings, closest)
-    fixed = [renderer.render(r) for r in fixed_records]
-    fixed_hits = replay_unbounded(to_replay(fixed), block_size).hits
-
-    reports = []
-    for req, hit, fixed_req, fixed_hit in zip(rendered, hits, fixed, fixed_hits):
-        found = findings[req.request_id]
-        primary = next((f for f in found if f.rule != "short-prefix"), None)
-        if primary is not None:
-            primary.tokens_lost = max(0, fixed_hit - hit)
-        reports.append(RequestReport(
-            req.request_id, req.cache_salt, len(req.token_ids), hit, len(fixed_req.token_ids),
-            fixed_hit, divergences[req.request_id], found))
+    fixed_ids, fixed_hits, withheld = _simulate_fixes(rendered, hits, all_findings, compared,
+                                                      renderer, block_size)
+    reports = [RequestReport(req.request_id, req.cache_salt, len(req.token_ids), hit,
+                             len(fixed_ids[req.request_id]), fixed_hits[req.request_id],
+                             divergences[req.request_id], findings[req.request_id],
+                             compared[req.request_id])
+               for req, hit in zip(rendered, hits)]
     summaries = [RuleSummary(rule.id, rule.title, rule.fix,
-                             [f for f in all_findings if f.rule == rule.id]) for rule in RULES]
+                             [f for f in all_findings if f.rule == rule.id],
+                             withheld.get(rule.id, [])) for rule in RULES]
     return LintReport(source, model, block_size, reports, summaries)
+
+
+def _candidate(pair: Pair, renderer: Renderer) -> _Candidate:
+    """Runs every rule on the pair and builds R_1..R_k (see the module docstring)."""
+    found = [f for f in (rule.check(pair) for rule in RULES) if f is not None]
+    claimed = {label for f in found if f.rule == "whitespace-drift" for label in f.fix_data["labels"]}
+    found = [f for f in found if f.rule == "whitespace-drift" or f.part not in claimed]
+    found.sort(key=lambda f: f.position)
+    record, earlier = pair.current.record, pair.earlier.record
+    reaches: list[_Reach] = []
+    probes: list[list[int]] = []
+    for f in found:
+        restored = RULES_BY_ID[f.rule].restore(f, record, earlier)
+        if restored is None:
+            reaches.append(("shared", f.position))
+            continue
+        try:
+            ids = renderer.prompt_ids(restored)
+        except ValueError:  # the template refuses the restored conversation: nothing to measure
+            reaches.append(("none",))
+            continue
+        record = restored
+        probes.append(ids)
+        reaches.append(("probe", len(probes) - 1))
+    return _Candidate(pair.earlier.request_id, found, reaches, probes)
+
+
+def _measure(cand: _Candidate, hit: int, probe_hits: list[int]) -> None:
+    """Sets each finding's tokens_lost and the candidate's score (the best reach)."""
+    best = hit
+    for f, reach in zip(cand.findings, cand.reaches):
+        value = probe_hits[reach[1]] if reach[0] == "probe" else (
+            reach[1] if reach[0] == "shared" else best)
+        f.tokens_lost = max(0, value - best)
+        best = max(best, value)
+    cand.score = best
+
+
+def _simulate_fixes(rendered: list[RenderedRequest], hits: list[int], findings: list[Finding],
+                    compared: dict[str, Optional[str]], renderer: Renderer, block_size: int,
+                    ) -> tuple[dict[str, list[int]], dict[str, int], dict[str, list]]:
+    """Per salt: the requests rewritten with the fixes kept, their hits, and per rule the salts
+    whose fix was withheld. Salts never share blocks, so each is replayed on its own."""
+    fixed_ids = {r.request_id: r.token_ids for r in rendered}
+    fixed_hits = {r.request_id: h for r, h in zip(rendered, hits)}
+    withheld: dict[str, list] = {}
+    groups: dict[Optional[str], list[int]] = {}
+    for i, r in enumerate(rendered):
+        groups.setdefault(r.cache_salt, []).append(i)
+    salt_of = {r.request_id: r.cache_salt for r in rendered}
+    for salt, members in groups.items():
+        fired = [f for f in findings if salt_of[f.request_id] == salt and f.rule in SIMULATED_RULES]
+        if not fired:
+            continue
+        records = [rendered[i].record for i in members]
+        outputs = [rendered[i].output_token_ids for i in members]   # fixes leave replies alone
+        runs: dict[frozenset, tuple[list[ReplayRequest], list[int]]] = {
+            frozenset(): (to_replay([rendered[i] for i in members]), [hits[i] for i in members])}
+
+        def run(rules: frozenset) -> tuple[list[ReplayRequest], list[int]]:
+            if rules not in runs:
+                fixed = apply_fixes(records, [f for f in fired if f.rule in rules], compared)
+                requests = [ReplayRequest(r.request_id, renderer.prompt_ids(r), r.cache_salt, out)
+                            for r, out in zip(fixed, outputs)]
+                runs[rules] = (requests, replay_unbounded(requests, block_size).hits)
+            return runs[rules]
+
+        kept = frozenset(f.rule for f in fired)
+        best = sum(run(kept)[1])
+        while kept:
+            # Withdraw the fix whose removal gains most while one does; the empty set is
+            # among the trials, so the end is never below the log as it was.
+            gain, rule = max((sum(run(kept - {r})[1]), r) for r in sorted(kept))
+            if gain <= best:
+                break
+            kept, best = kept - {rule}, gain
+        for rule in sorted({f.rule for f in fired} - kept):
+            withheld.setdefault(rule, []).append(salt)
+        requests, salt_hits = run(kept)
+        for req, h in zip(requests, salt_hits):
+            fixed_ids[req.request_id] = list(req.token_ids)
+            fixed_hits[req.request_id] = h
+    return fixed_ids, fixed_hits, withheld
 
 
 def _earlier_part(earlier: RenderedRequest, position: int) -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from prefixserve.diagnose.lint import LintReport, RequestReport
+from prefixserve.diagnose.lint import LintReport, RequestReport, RuleSummary
 
 FORMATS = ("text", "json", "markdown")
 MAX_LISTED_REQUESTS = 12
@@ -31,6 +31,26 @@ def _ids(ids: list[str]) -> str:
 def _short(text: str, n: int = 48) -> str:
     text = json.dumps(text, ensure_ascii=False)[1:-1]
     return text[:n] + ("…" if len(text) > n else "")
+
+
+def _withheld_note(report: LintReport, s: RuleSummary) -> str:
+    """Empty when the rule's fix is proposed wherever it fired."""
+    if not s.fix_withheld:
+        return ""
+    salt_of = {r.request_id: r.cache_salt for r in report.requests}
+    fired = {salt_of[f.request_id] for f in s.findings}
+    if fired <= set(s.fix_withheld):
+        return "not proposed: replayed with this fix, the log reuses fewer tokens"
+    return (f"not proposed for cache salt(s) {', '.join(map(str, s.fix_withheld))}: replayed "
+            f"with this fix, their requests reuse fewer tokens")
+
+
+def _rules(r: RequestReport) -> str:
+    # A finding may compare with the request's own previous turn rather than with the
+    # token-closest request its divergence names: then it says which.
+    closest = r.divergence.compared_to if r.divergence else None
+    return ", ".join(f.rule + (f" vs {f.compared_to}" if f.compared_to != closest else "")
+                     for f in r.findings)
 
 
 def _divergence_line(r: RequestReport) -> str:
@@ -63,11 +83,14 @@ def _text(report: LintReport) -> str:
             out.append(f"    before: {_short(example.before, 100)}")
             out.append(f"    after:  {_short(example.after, 100)}")
         out.append(f"  fix: {s.fix}")
+        note = _withheld_note(report, s)
+        if note:
+            out.append(f"  {note}")
         out.append("")
     out.append("Requests (tokens, reusable as logged, reusable after fixes, first divergence)")
     width = max(len(r.request_id) for r in report.requests)
     for r in report.requests:
-        rules = f"  [{', '.join(f.rule for f in r.findings)}]" if r.findings else ""
+        rules = f"  [{_rules(r)}]" if r.findings else ""
         out.append(f"  {r.request_id:<{width}}  {str(r.cache_salt):<10} {r.tokens:>6} "
                    f"{r.reusable_tokens:>6} {r.fixed_reusable_tokens:>6}  {_divergence_line(r)}{rules}")
     return "\n".join(out) + "\n"
@@ -93,10 +116,13 @@ def _markdown(report: LintReport) -> str:
             out += ["```", f"before: {_short(example.before, 100)}",
                     f"after:  {_short(example.after, 100)}", "```", ""]
         out += [f"**Fix:** {s.fix}", ""]
+        note = _withheld_note(report, s)
+        if note:
+            out += [f"*{note[0].upper() + note[1:]}.*", ""]
     out += ["## Requests", "", "| request | salt | tokens | reusable | after fixes | first divergence | rules |",
             "|---|---|---:|---:|---:|---|---|"]
     for r in report.requests:
         out.append(f"| {r.request_id} | {r.cache_salt} | {r.tokens} | {r.reusable_tokens} | "
                    f"{r.fixed_reusable_tokens} | {_divergence_line(r).replace('|', '/')} | "
-                   f"{', '.join(f.rule for f in r.findings)} |")
+                   f"{_rules(r)} |")
     return "\n".join(out) + "\n"

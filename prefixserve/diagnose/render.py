@@ -12,6 +12,8 @@ from typing import Optional
 from prefixserve.diagnose.log_reader import LogRecord
 from prefixserve.prompt import PROMPT, Conversation, PromptRenderer, Span
 
+_MAX_REMEMBERED = 65536
+
 
 @dataclass
 class RenderedRequest:
@@ -50,24 +52,52 @@ class Renderer:
         self.tokenizer = tokenizer
         # One per chat_template_kwargs: each remembers the partial renders its spans reuse.
         self._chat: dict[str, PromptRenderer] = {}
+        self._ids: dict[str, list[int]] = {}
+
+    def prompt_ids(self, record: LogRecord) -> list[int]:
+        """The prompt's token ids alone (no spans): what the lint needs for the rewritten
+        requests it replays. Remembered by content, since the fix simulation renders the same
+        request once per set of fixes it tries."""
+        ids = self._ids.get(_content_key(record))
+        if ids is None:
+            if not record.is_chat:
+                ids = self._prompt_ids(record)
+            else:
+                ids = self._render_chat(record).token_ids
+            self._remember(record, ids)
+        return list(ids)
+
+    def _remember(self, record: LogRecord, ids: list[int]) -> None:
+        if len(self._ids) >= _MAX_REMEMBERED:
+            self._ids.clear()
+        self._ids[_content_key(record)] = list(ids)
+
+    def _prompt_ids(self, record: LogRecord) -> list[int]:
+        if isinstance(record.prompt, list):
+            ids = list(record.prompt)
+        else:
+            # The engine encodes a text prompt with the tokenizer's special tokens.
+            ids = self.tokenizer.encode(record.prompt, add_special_tokens=True)
+        if not ids:
+            raise ValueError(f"request {record.request_id}: the prompt renders to no tokens")
+        return ids
 
     def render(self, record: LogRecord) -> RenderedRequest:
         outputs = self._output_ids(record)
         if not record.is_chat:
-            if isinstance(record.prompt, list):
-                ids, text = list(record.prompt), None
-            else:
-                # The engine encodes a text prompt with the tokenizer's special tokens.
-                ids, text = self.tokenizer.encode(record.prompt, add_special_tokens=True), record.prompt
-            if not ids:
-                raise ValueError(f"request {record.request_id}: the prompt renders to no tokens")
+            ids = self._prompt_ids(record)
+            text = record.prompt if isinstance(record.prompt, str) else None
             return RenderedRequest(record, ids, text, [Span(PROMPT, 0, len(ids))], outputs)
+        rendered = self._render_chat(record)
+        self._remember(record, rendered.token_ids)
+        return RenderedRequest(record, rendered.token_ids, rendered.text, rendered.spans, outputs)
+
+    def _render_chat(self, record: LogRecord):
         renderer = self._chat_renderer(record.chat_template_kwargs)
         try:
-            rendered = renderer.render(Conversation.of_messages(record.messages, record.tools))
+            return renderer.render(Conversation.of_messages(record.messages, record.tools))
         except Exception as exc:  # template errors (raise_exception) carry the reason
             raise ValueError(f"request {record.request_id}: the chat template failed: {exc}") from exc
-        return RenderedRequest(record, rendered.token_ids, rendered.text, rendered.spans, outputs)
 
     def _chat_renderer(self, template_kwargs: dict) -> PromptRenderer:
         key = json.dumps(template_kwargs, sort_keys=True, default=repr)
@@ -85,6 +115,12 @@ class Renderer:
             # Only the count is known: placeholder ids occupy the right number of slots.
             return [0] * record.output_tokens
         return []
+
+
+def _content_key(record: LogRecord) -> str:
+    # Key order kept (no sort_keys): reordered tool keys render differently.
+    return json.dumps([record.messages, record.tools, record.prompt, record.chat_template_kwargs],
+                      default=repr)
 
 
 def load_renderer(model: str) -> Renderer:

@@ -15,9 +15,13 @@ blocks like decode does, and their full blocks are registered like the engine re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from prefixserve.kv import KVCacheConfig, KVCacheManager
+
+
+# Lookups hold no blocks, so every probe can use one id no served request has.
+_PROBE_ID = "\0probe"
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class ReplayResult:
     output_tokens: int = 0
     evictions: int = 0
     hits: list[int] = field(default_factory=list)        # per request, in replay order
+    # request id -> hit of each probe looked up just before that request (see replay())
+    probe_hits: dict[str, list[int]] = field(default_factory=dict)
     too_large: list[str] = field(default_factory=list)   # requests needing more blocks than the pool
 
     @property
@@ -71,13 +77,22 @@ def unbounded_num_blocks(requests: Sequence[ReplayRequest], block_size: int) -> 
     return max(1, sum(blocks_needed(r, block_size) for r in requests))
 
 
-def replay(requests: Sequence[ReplayRequest], config: ReplayConfig) -> ReplayResult:
+def replay(requests: Sequence[ReplayRequest], config: ReplayConfig,
+           probes: Optional[Mapping[str, Sequence[Sequence[int]]]] = None) -> ReplayResult:
+    """probes[request_id]: other prompts (same salt) looked up, without being served, in the
+    cache exactly as the requests before that one left it: what the engine would have reused
+    had that request been sent as each of them instead."""
     kv = KVCacheManager(config.kv_config())
     result = ReplayResult(config=config)
+    probes = probes or {}
     for req in requests:
         prompt = list(req.token_ids)
         outputs = list(req.output_token_ids)
         result.num_requests += 1
+        if req.request_id in probes:
+            result.probe_hits[req.request_id] = [
+                kv.find_cached_prefix(_PROBE_ID, list(ids), cache_salt=req.cache_salt).num_tokens
+                for ids in probes[req.request_id]]
         if blocks_needed(req, config.block_size) > config.num_blocks:
             # The engine rejects such a request outright; it neither hits nor fills the cache.
             result.too_large.append(req.request_id)
@@ -99,7 +114,8 @@ def replay(requests: Sequence[ReplayRequest], config: ReplayConfig) -> ReplayRes
     return result
 
 
-def replay_unbounded(requests: Sequence[ReplayRequest], block_size: int = 16) -> ReplayResult:
+def replay_unbounded(requests: Sequence[ReplayRequest], block_size: int = 16,
+                     probes: Optional[Mapping[str, Sequence[Sequence[int]]]] = None) -> ReplayResult:
     """Hits of a cache big enough never to evict."""
     return replay(requests, ReplayConfig(num_blocks=unbounded_num_blocks(requests, block_size),
-                                         block_size=block_size))
+                                         block_size=block_size), probes)

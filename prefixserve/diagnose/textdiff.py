@@ -4,6 +4,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 _TRAILING_WS = re.compile(r"[ \t]+(?=\n)")
 _INNER_SPACES = re.compile(r"(?<=\S)[ \t]{2,}(?=\S)")
@@ -34,6 +35,20 @@ def normalize_whitespace(text: str) -> str:
     return text.strip()
 
 
+def without_whitespace(text: str) -> str:
+    """The text with every whitespace character deleted: two texts that differ only in
+    whitespace ("\\n" against "\\n\\n", CRLF, a double space, a trailing newline) give the same
+    string. normalize_whitespace cannot serve as that test: it keeps a blank line apart from a
+    line break, so a prompt alternating the two would look like two different texts."""
+    return "".join(text.split())
+
+
+def whitespace_only(a: str, b: str) -> bool:
+    """a and b differ, and only in whitespace."""
+    return a != b and without_whitespace(a) == without_whitespace(b)
+
+
+@lru_cache(maxsize=8192)   # the fix simulation asks for every word of every system prompt
 def value_kind(value: str) -> str:
     for kind, pattern in VALUE_KINDS:
         if pattern.match(value):
@@ -52,6 +67,13 @@ class ChangedValue:
 def changed_values(old: str, new: str) -> list[ChangedValue]:
     """The words that differ between two texts, each widened to its whole whitespace-delimited
     word (without edge punctuation), adjacent changed words merged."""
+    return list(_changed_values(old, new))
+
+
+# dynamic-system and volatile-prefix both diff the same pair of system prompts, and a word
+# diff of a long prompt costs milliseconds.
+@lru_cache(maxsize=64)
+def _changed_values(old: str, new: str) -> tuple[ChangedValue, ...]:
     old_words = [(m.start(), m.group()) for m in _WORD.finditer(old)]
     new_words = [(m.start(), m.group()) for m in _WORD.finditer(new)]
     matcher = difflib.SequenceMatcher(a=[w for _, w in old_words], b=[w for _, w in new_words],
@@ -67,7 +89,7 @@ def changed_values(old: str, new: str) -> list[ChangedValue]:
             start += len(new_words[j1][1]) - len(new_words[j1][1].lstrip(EDGE_PUNCT))
         kind = "+".join(dict.fromkeys(value_kind(w) for w in (new_text or old_text).split()))
         out.append(ChangedValue(old_text, new_text, start, kind))
-    return out
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -95,3 +117,20 @@ def line_diff(old: str, new: str) -> LineDiff:
         changed_new.extend(new_lines[j1:j2])
         changed_old.extend(old_lines[i1:i2])
     return LineDiff(changed_new, changed_old, first, "\n".join(l for l in stable_after if l.strip()))
+
+
+def restore_leading_changes(old: str, new: str) -> str:
+    """new with every changed region that stable (unchanged, non-blank) lines follow put back
+    to old's lines; a changed region at the end (the per-request question) stays new's."""
+    old_lines, new_lines = old.split("\n"), new.split("\n")
+    ops = difflib.SequenceMatcher(a=old_lines, b=new_lines, autojunk=False).get_opcodes()
+    stable_later = [False] * len(ops)
+    seen = False
+    for k in range(len(ops) - 1, -1, -1):
+        stable_later[k] = seen
+        tag, _, _, j1, j2 = ops[k]
+        seen = seen or (tag == "equal" and any(l.strip() for l in new_lines[j1:j2]))
+    out: list[str] = []
+    for (tag, i1, i2, j1, j2), later in zip(ops, stable_later):
+        out.extend(old_lines[i1:i2] if tag != "equal" and later else new_lines[j1:j2])
+    return "\n".join(out)

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Protocol
 
+from prefixserve.diagnose.log_reader import LogRecord
 from prefixserve.diagnose.render import RenderedRequest
-from prefixserve.diagnose.textdiff import normalize_whitespace
+from prefixserve.diagnose.textdiff import without_whitespace, whitespace_only
 from prefixserve.prompt import Span
 
 
@@ -36,7 +37,7 @@ class Finding:
     before: str            # evidence from the earlier request
     after: str             # evidence from the current request
     fix_data: dict = field(default_factory=dict)
-    tokens_lost: int = 0
+    tokens_lost: int = 0   # set by lint (see lint.py: one definition for every rule)
 
     def to_dict(self) -> dict:
         return {"rule": self.rule, "request_id": self.request_id, "compared_to": self.compared_to,
@@ -51,6 +52,13 @@ class Rule(Protocol):
 
     def check(self, pair: Pair) -> Optional[Finding]: ...
 
+    def restore(self, finding: Finding, current: LogRecord,
+                earlier: LogRecord) -> Optional[LogRecord]:
+        """`current` with the part `finding` names made identical to `earlier`'s: the request
+        as it would have been without this cause. None when the cause is not a differing part
+        (short-prefix). `current` may already carry the restorations of earlier findings."""
+        ...
+
 
 def system_text(req: RenderedRequest) -> Optional[str]:
     msgs = req.record.messages
@@ -59,10 +67,25 @@ def system_text(req: RenderedRequest) -> Optional[str]:
     return None
 
 
+def with_system(record: LogRecord, text: str) -> LogRecord:
+    """The chat request with `text` as its system prompt (message 0)."""
+    return replace(record, messages=[{**record.messages[0], "content": text}]
+                   + [dict(m) for m in record.messages[1:]])
+
+
 def message_key(msg: dict) -> str:
     """A message's identity for comparisons: role, content and tool calls."""
     return json.dumps([msg.get("role"), msg.get("content"), msg.get("tool_calls"),
                        msg.get("tool_call_id")], sort_keys=True)
+
+
+def content_key(msg: dict) -> str:
+    """message_key blind to whitespace in the content: the identity under which a message that
+    only drifted in whitespace is still the same message."""
+    content = msg.get("content")
+    return json.dumps([msg.get("role"), without_whitespace(content) if isinstance(content, str)
+                       else content, msg.get("tool_calls"), msg.get("tool_call_id")],
+                      sort_keys=True)
 
 
 def excerpt(text: str, start: int, width: int = 70) -> str:
@@ -74,4 +97,5 @@ def excerpt(text: str, start: int, width: int = 70) -> str:
 
 
 def whitespace_equal(a: str, b: str) -> bool:
-    return a != b and normalize_whitespace(a) == normalize_whitespace(b)
+    """a and b differ only in whitespace: whitespace-drift's case, which no other rule claims."""
+    return whitespace_only(a, b)

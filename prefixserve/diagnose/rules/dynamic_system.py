@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from prefixserve.diagnose.rules.base import Finding, Pair, excerpt, system_text
-from prefixserve.diagnose.textdiff import ChangedValue, changed_values, normalize_whitespace
+from prefixserve.diagnose.log_reader import LogRecord
+from prefixserve.diagnose.rules.base import Finding, Pair, excerpt, system_text, with_system
+from prefixserve.diagnose.textdiff import ChangedValue, changed_values, without_whitespace
 from prefixserve.prompt import SYSTEM
 
 MAX_VALUES = 6          # more changed places than this is a different prompt, not a few values
@@ -35,8 +36,8 @@ class DynamicSystem:
         old, new = system_text(pair.earlier), system_text(pair.current)
         if old is None or new is None or old == new:
             return None
-        if normalize_whitespace(old) == normalize_whitespace(new):
-            return None
+        if without_whitespace(old) == without_whitespace(new):
+            return None  # whitespace-drift's
         values = changed_values(old, new)
         if not small_change(values, old, new):
             return None
@@ -50,3 +51,7 @@ class DynamicSystem:
             excerpt(old, max(0, old_at)), excerpt(new, first.new_start),
             fix_data={"values": [w for v in values for w in v.new.split()],
                       "earlier_values": [w for v in values for w in v.old.split()]})
+
+    def restore(self, finding: Finding, current: LogRecord,
+                earlier: LogRecord) -> Optional[LogRecord]:
+        return with_system(current, earlier.messages[0]["content"])

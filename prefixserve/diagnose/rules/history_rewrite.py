@@ -2,9 +2,11 @@
 the first rewritten message is recomputed."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
-from prefixserve.diagnose.rules.base import Finding, Pair, excerpt, message_key, whitespace_equal
+from prefixserve.diagnose.log_reader import LogRecord
+from prefixserve.diagnose.rules.base import Finding, Pair, content_key, excerpt
 from prefixserve.prompt import HISTORY, common_prefix_len
 
 
@@ -21,14 +23,14 @@ class HistoryRewrite:
             return None
         a, b = old.messages, cur.messages
         start = 1 if b[0]["role"] == "system" else 0
-        first = start + common_prefix_len([message_key(m) for m in a[start:]],
-                                          [message_key(m) for m in b[start:]])
+        # Whitespace-blind: a message that only drifted in whitespace is whitespace-drift's,
+        # and the rewrite, if any, is the first message that really changed.
+        first = start + common_prefix_len([content_key(m) for m in a[start:]],
+                                          [content_key(m) for m in b[start:]])
         # The differing message must be history in the current request and present earlier.
         if first >= min(len(a), len(b) - 1):
             return None
         x, y = a[first].get("content"), b[first].get("content")
-        if isinstance(x, str) and isinstance(y, str) and whitespace_equal(x, y):
-            return None
         anchor = self._anchor(a, b, first)
         if anchor is None:
             return None  # nothing shared after the change: another conversation, not a rewrite
@@ -46,14 +48,22 @@ class HistoryRewrite:
             excerpt(str(y or b[first].get("tool_calls") or ""), 0),
             fix_data={"first": first, "anchor": j, "earlier_anchor": j_old})
 
+    def restore(self, finding: Finding, current: LogRecord,
+                earlier: LogRecord) -> Optional[LogRecord]:
+        # The earlier request's history verbatim up to the anchor, then this request's turns:
+        # what an append-only client would have sent.
+        first, j, j_old = (finding.fix_data[k] for k in ("first", "anchor", "earlier_anchor"))
+        messages = current.messages[:first] + earlier.messages[first:j_old] + current.messages[j:]
+        return replace(current, messages=[dict(m) for m in messages])
+
     @staticmethod
     def _anchor(a: list[dict], b: list[dict], first: int) -> Optional[tuple[int, int]]:
         """First message after the change that both requests contain: (index in b, in a)."""
         where = {}
         for i in range(first + 1, len(a)):
-            where.setdefault(message_key(a[i]), i)
+            where.setdefault(content_key(a[i]), i)
         for j in range(first + 1, len(b)):
-            i = where.get(message_key(b[j]))
+            i = where.get(content_key(b[j]))
             if i is not None and (b[j].get("content") or b[j].get("tool_calls")):
                 return j, i
         return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from prefixserve.diagnose.log_reader import LogRecord
 from prefixserve.diagnose.rules.base import Finding, Pair
 from prefixserve.prompt import PROMPT, SYSTEM, TOOLS
 
@@ -33,4 +34,8 @@ class ShortPrefix:
         return Finding(self.id, cur.request_id, pair.earlier.request_id, p,
                        span.label if span else "prompt",
                        f"the shared prefix is {p} tokens, below one block of {pair.block_size}",
-                       "", "", tokens_lost=p)
+                       "", "")
+
+    def restore(self, finding: Finding, current: LogRecord,
+                earlier: LogRecord) -> Optional[LogRecord]:
+        return None  # the cause is the block granularity, not a part that differs

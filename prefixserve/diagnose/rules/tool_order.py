@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Optional
 
-from prefixserve.diagnose.rules.base import Finding, Pair
+from prefixserve.diagnose.log_reader import LogRecord
+from prefixserve.diagnose.rules.base import Finding, Pair, whitespace_equal
 from prefixserve.prompt import TOOLS
 
 
@@ -30,6 +32,8 @@ class ToolOrder:
         a, b = pair.earlier.record.tools, pair.current.record.tools
         if not a or not b or json.dumps(a) == json.dumps(b):
             return None
+        if whitespace_equal(json.dumps(a), json.dumps(b)):
+            return None  # same order and keys: whitespace-drift's
         if json.dumps(canonical_tools(a)) != json.dumps(canonical_tools(b)):
             return None
         names_a, names_b = [tool_name(t) for t in a], [tool_name(t) for t in b]
@@ -45,3 +49,7 @@ class ToolOrder:
         return Finding(self.id, pair.current.request_id, pair.earlier.request_id,
                        pair.position_in(span), span.label if span else "tools", detail,
                        json.dumps(a)[:90] + "…", json.dumps(b)[:90] + "…")
+
+    def restore(self, finding: Finding, current: LogRecord,
+                earlier: LogRecord) -> Optional[LogRecord]:
+        return replace(current, tools=earlier.tools)

@@ -3,11 +3,14 @@ examples) placed before content that stays the same, so the stable part is never
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Optional
 
-from prefixserve.diagnose.rules.base import Finding, Pair, system_text
+from prefixserve.diagnose.log_reader import LogRecord
+from prefixserve.diagnose.rules.base import Finding, Pair, system_text, with_system
 from prefixserve.diagnose.rules.dynamic_system import small_change
-from prefixserve.diagnose.textdiff import changed_values, line_diff, normalize_whitespace
+from prefixserve.diagnose.textdiff import (changed_values, line_diff, restore_leading_changes,
+                                           without_whitespace)
 from prefixserve.prompt import PROMPT, SYSTEM
 
 
@@ -29,8 +32,8 @@ class VolatilePrefix:
             tools_after = False
         else:
             return None
-        if a is None or b is None or normalize_whitespace(a) == normalize_whitespace(b):
-            return None
+        if a is None or b is None or without_whitespace(a) == without_whitespace(b):
+            return None  # equal, or whitespace-drift's
         if small_change(changed_values(a, b), a, b):
             return None  # a few values: dynamic-system's business
         diff = line_diff(a, b)
@@ -48,3 +51,12 @@ class VolatilePrefix:
             f"{len(diff.changed_new)} changed line(s) {where}",
             "\n".join(diff.changed_old)[:120], changed[:120],
             fix_data={"part": part, "lines": diff.changed_new, "earlier_lines": diff.changed_old})
+
+    def restore(self, finding: Finding, current: LogRecord,
+                earlier: LogRecord) -> Optional[LogRecord]:
+        # Only the volatile lines before stable text go back: a changed question at the end
+        # of a completion prompt is the request itself, not this rule's cause.
+        if finding.fix_data["part"] == "prompt":
+            return replace(current, prompt=restore_leading_changes(earlier.prompt, current.prompt))
+        return with_system(current, restore_leading_changes(earlier.messages[0]["content"],
+                                                            current.messages[0]["content"]))
