@@ -15,6 +15,10 @@ from prefixserve.errors import InvalidRequestError
 
 # Integers reach torch as int64 and native kernels as int32: anything larger is a client mistake.
 MAX_INT = 2**31 - 1
+# every step scans new text for each stop string: bounded, so one request cannot slow the step
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -59,9 +63,14 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
                 param="min_tokens")
+        if len(self.stop) > MAX_STOP_STRINGS or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings and {MAX_STOP_TOKEN_IDS} "
+                                      "stop token ids", param="stop" if len(self.stop) > MAX_STOP_STRINGS
+                                      else "stop_token_ids")
         for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise InvalidRequestError(f"stop must hold non-empty strings, got {s!r}", param="stop")
+            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
+                raise InvalidRequestError(f"stop must hold strings of 1-{MAX_STOP_CHARS} characters, "
+                                          f"got {str(s)[:40]!r}", param="stop")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0, high=MAX_INT)
         if self.logprobs is not None:

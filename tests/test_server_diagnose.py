@@ -172,7 +172,7 @@ def test_salted_requests_never_compare_across_salts(oai, http):
     d = diagnosis_of(first_b)
     assert d["compared_to"] is None and "cache salt" in d["note"] and d["cached_tokens"] == 0
     named = chat(oai, public, {"cache_salt": "tenant-b", "diagnose_against": tenant_a.id})
-    assert diagnosis_of(named)["compared_to"] is None and "another cache salt" in \
+    assert diagnosis_of(named)["compared_to"] is None and "not remembered under this cache salt" in \
         diagnosis_of(named)["note"]
     unsalted = chat(oai, public, DIAGNOSE)
     assert diagnosis_of(unsalted)["compared_to"] != tenant_a.id

@@ -67,6 +67,9 @@ BAD_INPUTS = [
      % (MODEL, ", ".join(['{"role": "user", "content": "m"}'] * 65)), "messages"),
     (CHAT, '{"model": "%s", "max_tokens": 2, "tools": [%s1%s], "messages": [{"role": "user", "content": "hi"}]}'
      % (MODEL, "[" * 40, "]" * 40), None),
+    (CHAT, '{"model": "%s", "max_tokens": 2, "stop": [%s], "messages": [{"role": "user", "content": "hi"}]}'
+     % (MODEL, ", ".join(['"s%d"' % i for i in range(33)])), "stop"),
+    ("/v1/cached_contents", '{"system": "%s", "name": "%s"}' % ("x " * 60, "n" * 300), "name"),
 ]
 
 

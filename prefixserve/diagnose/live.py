@@ -64,11 +64,10 @@ class MissExplainer:
             note = None
             if diagnose_against is not None:
                 entry = self._index.get(diagnose_against)
-                if entry is None:
-                    earlier_id, note = None, f"request {diagnose_against!r} is not remembered"
-                elif entry.salt != cache_salt:
-                    earlier_id, note = None, (f"request {diagnose_against!r} has another cache "
-                                              "salt: the two never share cache blocks")
+                if entry is None or entry.salt != cache_salt:
+                    # one answer for both: another salt's (tenant's) request ids are not even confirmed
+                    earlier_id, note = None, (f"request {diagnose_against!r} is not remembered under "
+                                              "this cache salt")
                 else:
                     earlier_id = diagnose_against
             else:

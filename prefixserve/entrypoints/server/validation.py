@@ -18,6 +18,9 @@ from fastapi import Request
 from prefixserve.entrypoints.server.errors import APIError, bad_request
 
 MAX_DEPTH = 32
+# names and ids a client sends are short; a long one is a mistake or an attack
+MAX_NAME_CHARS = 256
+NAME_FIELDS = ("model", "name", "cache_salt", "cached_content", "diagnose_against", "user")
 # int64 (the widest engine type); narrower fields are bounded where they are used
 MAX_INT = 2**63 - 1
 # what a template may read besides messages and tools; a client template rides in chat_template
@@ -42,6 +45,9 @@ async def check_body(request: Request) -> None:
         raise bad_request(f"{len(messages)} messages; this server takes at most "
                           f"{state.config.max_messages} per request", param="messages", code="too_many_messages")
     if isinstance(body, dict):
+        for name in NAME_FIELDS:
+            if isinstance(body.get(name), str) and len(body[name]) > MAX_NAME_CHARS:
+                raise bad_request(f"{name} is longer than {MAX_NAME_CHARS} characters", param=name)
         check_template_fields(body, state.config.trust_request_chat_template)
 
 
