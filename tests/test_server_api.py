@@ -425,13 +425,13 @@ def test_200_concurrent_requests_batch_and_leave_pool_free(server, http):
 
 def test_queue_bound_answers_429_with_retry_after():
     engine = LLMEngine(EngineConfig(**{**ENGINE, "max_num_seqs": 1, "num_kv_blocks": 256}))
-    app = build_app(engine, ServerConfig(max_waiting=2, retry_after_s=3))
+    app = build_app(engine, ServerConfig(max_waiting=3, retry_after_s=3))
     with LiveServer(app) as live, httpx.Client(base_url=live.base_url, timeout=60) as http:
         body = {"model": MODEL, "prompt": "occupy the engine", "max_tokens": 1800, "stream": True,
                 "ignore_eos": True}
         streams = []
         try:
-            # One runs (max_num_seqs=1), two wait: the bound is reached.
+            # Three in flight (one runs, max_num_seqs=1, two wait): the bound is reached.
             for _ in range(3):
                 s = http.stream("POST", "/v1/completions", json=body)
                 r = s.__enter__()

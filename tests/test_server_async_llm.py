@@ -216,3 +216,50 @@ def test_shutdown_fails_in_flight_requests_and_refuses_new_ones(engine):
 def test_invalid_max_waiting():
     with pytest.raises(ValueError, match="max_waiting"):
         AsyncLLM(object(), max_waiting=0)  # type: ignore[arg-type]
+
+
+def test_the_waiting_queue_never_exceeds_max_waiting_even_through_preemptions():
+    """A pool too small for every admitted request forces preemptions; the bound counts every
+    sequence in flight (n > 1 included), so the waiting queue, preempted requests and all,
+    stays within it at every step while requests beyond it get QueueFullError."""
+    engine = LLMEngine(EngineConfig(model="random:qwen3-tiny", seed=0, block_size=16, num_kv_blocks=24,
+                                    max_model_len=256, max_num_seqs=8))
+    front = AsyncLLM(engine, max_waiting=6)
+    longest = []
+
+    def record(e):
+        original = e.step
+
+        def step():
+            out = original()
+            longest.append(e.scheduler.num_waiting)
+            return out
+        e.step = step
+
+    front.start()
+
+    async def main():
+        await front.run_in_engine(record)
+        params = [SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True, n=1 + i % 2)
+                  for i in range(40)]
+        streams, refused = [], 0
+        for i, p in enumerate(params):
+            try:
+                streams.append(await front.add_request(f"w{i}", {"prompt_token_ids": [5 + i] * 60}, p))
+            except QueueFullError:
+                refused += 1
+            await asyncio.sleep(0.01)
+        for stream in streams:
+            async for _ in stream:
+                pass
+        return refused
+
+    try:
+        refused = asyncio.run(main())
+        preemptions = front.submit(lambda e: e.stats().preemptions).result(timeout=60)
+    finally:
+        front.shutdown()
+    assert refused > 0 and preemptions > 0, (refused, preemptions)
+    assert max(longest) <= 6
+    engine.kv.check_integrity()
+    assert engine.stats().blocks_in_use == 0

@@ -92,15 +92,17 @@ class _Command:
     """Work for the engine thread; `fail` tells its waiter when it will never run."""
     run: Callable[[], None]
     fail: Callable[[BaseException], None] = lambda exc: None
-    is_add: bool = False
+    seats: int = 0  # sequences an add brings (n), counted against max_waiting until the engine holds them
 
 
 class AsyncLLM:
     """Thread-safe, asyncio-facing front of an LLMEngine run by one background thread.
 
-    max_waiting bounds the requests accepted but not yet running (those still
-    in the command list plus the engine's waiting queue); beyond it add_request
-    raises QueueFullError at once, so memory stays bounded under overload.
+    max_waiting bounds the sequences accepted and not finished (a request counts
+    its n; those still in the command list included); beyond it add_request
+    raises QueueFullError at once. Any of them may have to wait, a preempted one
+    too, so the waiting queue never holds more than max_waiting, and memory stays
+    bounded under overload.
     """
 
     def __init__(self, engine: LLMEngine, *, max_waiting: Optional[int] = None) -> None:
@@ -111,7 +113,7 @@ class AsyncLLM:
         self.max_waiting = max_waiting
         self._cond = threading.Condition()
         self._commands: deque[_Command] = deque()
-        self._pending_adds = 0
+        self._pending_seats = 0
         self._streams: dict[str, RequestStream] = {}
         # Requests the engine holds that this front added; only the engine thread touches it.
         self._in_engine: set[str] = set()
@@ -206,12 +208,12 @@ class AsyncLLM:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in use",
                                             param="request_id")
             if self.max_waiting is not None and \
-                    self._pending_adds + self._stats.num_waiting >= self.max_waiting:
-                raise QueueFullError(f"too many requests waiting (max_waiting={self.max_waiting}); "
-                                "retry later")
-            self._pending_adds += 1
+                    self._pending_seats + self._stats.num_seats + params.n > self.max_waiting:
+                raise QueueFullError(f"too many requests in flight (max_waiting={self.max_waiting}); "
+                                     "retry later")
+            self._pending_seats += params.n
             self._streams[request_id] = stream
-            self._commands.append(_Command(add, fail, is_add=True))
+            self._commands.append(_Command(add, fail, seats=params.n))
             self._cond.notify()
         try:
             await asyncio.wrap_future(accepted)
@@ -350,9 +352,9 @@ class AsyncLLM:
                 for command in commands:
                     command.run()
                 with self._cond:
-                    # Counted as pending until the refreshed stats count them as waiting,
+                    # Counted as pending until the refreshed stats count them,
                     # so the max_waiting bound never sees a gap.
-                    self._pending_adds -= sum(c.is_add for c in commands)
+                    self._pending_seats -= sum(c.seats for c in commands)
                     self._stats = self.engine.stats()
                 if self._in_engine and not self.engine.has_unfinished_requests():
                     # The engine ended requests without a final output: never leave a waiter hanging.

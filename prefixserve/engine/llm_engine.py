@@ -700,6 +700,7 @@ class LLMEngine:
             prefix_cache_hits=kv.hit_tokens,
             kv_cache_bytes=self.runner.kv_cache_bytes,
             kernels_active={name: k["active"] for name, k in self.runner.kernels.items()},
+            num_seats=sum(group.params.n for group in self._groups.values()),
         )
 
 

@@ -131,6 +131,9 @@ class EngineStats:
     kv_cache_bytes: int
     # native CPU kernel name -> active (the reasons are in EngineInfo.kernels)
     kernels_active: dict = field(default_factory=dict)
+    # sequences the unfinished requests hold or will hold (each request its n): the most
+    # that could ever wait at once, preempted ones included
+    num_seats: int = 0
     extra: dict = field(default_factory=dict)
 
     @property

@@ -23,8 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="name clients pass as `model` (default: the --model string)")
     g.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
-                   help="requests accepted but not yet running; beyond this the server answers "
-                        "429 with Retry-After (default: %(default)s)")
+                   help="sequences (each request its n) accepted and not finished; beyond this "
+                        "the server answers 429 with Retry-After, so no more than this many can "
+                        "ever wait, preempted ones included (default: %(default)s)")
     g.add_argument("--retry-after", dest="retry_after_s", type=int, default=1,
                    help="seconds a 429 tells the client to wait (default: %(default)s)")
     g.add_argument("--max-pinned-fraction", type=float, default=EngineConfig.max_pinned_fraction,

@@ -13,8 +13,9 @@ class ServerConfig:
     port: int = 8000
     # The name clients pass as `model`; None: the engine's model string.
     served_model_name: Optional[str] = None
-    # Requests accepted but not yet running; beyond this the server answers 429. None: unbounded
-    # (only sensible behind something else that bounds load).
+    # Sequences (each request its n) accepted and not finished; beyond this the server answers
+    # 429. Any of them may have to wait (a preempted one too), so the waiting queue never holds
+    # more. None: unbounded (only sensible behind something else that bounds load).
     max_waiting: Optional[int] = 1024
     # Seconds a client is told to wait (Retry-After) when the waiting queue is full.
     retry_after_s: int = 1
