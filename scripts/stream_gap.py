@@ -101,7 +101,7 @@ async def main(args: argparse.Namespace) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "prefixserve", "serve",
                              "--model", "random:qwen3-tiny", "--port", str(port), "--log-level",
                              "warning", "--max-num-seqs", "8", "--trust-request-chat-template",
-                             "--max-messages", "100000"], env=os.environ.copy())
+                             "--max-messages", str(args.max_messages)], env=os.environ.copy())
     base = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(base_url=base, timeout=120) as client:
@@ -125,4 +125,6 @@ if __name__ == "__main__":
     parser.add_argument("--prompt-tokens", type=int, default=30000)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--case", choices=CASES + ["all"], default="all")
+    parser.add_argument("--max-messages", type=int, default=100_000,
+                        help="the server's bound (default high, so that many-messages is rendered, not refused)")
     asyncio.run(main(parser.parse_args()))

@@ -38,12 +38,13 @@ async def check_body(request: Request) -> None:
         body = await request.json()
     except ValueError:
         return  # malformed JSON: FastAPI answers it with its own 400
-    _walk(body, "", 0)
     state = request.app.state.server
+    # counted before anything walks them: a refused body should cost as little as possible
     messages = body.get("messages") if isinstance(body, dict) else None
     if isinstance(messages, list) and len(messages) > state.config.max_messages:
         raise bad_request(f"{len(messages)} messages; this server takes at most "
                           f"{state.config.max_messages} per request", param="messages", code="too_many_messages")
+    _walk(body, "", 0)
     if isinstance(body, dict):
         for name in NAME_FIELDS:
             if isinstance(body.get(name), str) and len(body[name]) > MAX_NAME_CHARS:
