@@ -39,16 +39,15 @@ class CachedContentStore:
     def add(self, content: CachedContent, live_pins: set[str]) -> None:
         """Registers a content whose pin was just placed; a live name in the owner's scope
         is refused (ConflictError)."""
-        self.prune(live_pins)
         if content.pin_id is None:
             raise ValueError("a cached content needs the id of the pin that holds it")
-        if content.name is not None and any(
-                c.owner == content.owner and content.name in (c.id, c.name) for c in self._by_id.values()):
+        if content.name is not None and self.name_taken(content.name, content.owner, live_pins):
             raise ConflictError(f"a cached content named {content.name!r} already exists",
                                 param="name", code="name_taken")
         self._by_id[content.id] = content
 
     def name_taken(self, name: str, owner: Optional[str], live_pins: set[str]) -> bool:
+        """A live content of this owner has this name (or id)."""
         self.prune(live_pins)
         return any(c.owner == owner and name in (c.id, c.name) for c in self._by_id.values())
 

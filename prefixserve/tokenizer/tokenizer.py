@@ -103,9 +103,9 @@ class Tokenizer:
     def encoding(self, text: str, add_special_tokens: bool = False) -> tokenizers.Encoding:
         """The backend's Encoding of `text` (ids plus character offsets).
 
-        Goes through encode_batch: unlike encode, it releases the GIL while it works, so a
-        server tokenizing a huge prompt on a worker thread keeps its event loop running
-        (30k tokens: 45 ms during which no other Python thread ran)."""
+        Goes through encode_batch: unlike encode, it releases the GIL while it works, so other
+        threads of the process (an engine loop, an event loop) keep running during a long text
+        (30k tokens: 45 ms in which encode let no other Python thread run)."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
