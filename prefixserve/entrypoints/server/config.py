@@ -33,6 +33,9 @@ class ServerConfig:
     # Bounds applied before anything else reads a request.
     max_body_bytes: int = 16 * 2**20
     max_messages: int = 2048
+    # Bodies larger than this are parsed and validated in the render process, off the event loop
+    # (below it, a trip to the child costs more than the parse).
+    offload_body_bytes: int = 64 * 2**10
     # Longest a cached content or cache_control pin may live, before cache_ttl_scale.
     max_cache_ttl_s: float = 7 * 86400.0
     # A chat template sent by the client runs only when the operator trusts clients with it.
@@ -56,6 +59,7 @@ class ServerConfig:
         _positive("diagnose_max_requests", self.diagnose_max_requests)
         _positive("max_body_bytes", self.max_body_bytes)
         _positive("max_messages", self.max_messages)
+        _positive("offload_body_bytes", self.offload_body_bytes)
         for name in ("max_cache_ttl_s", "render_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):

@@ -58,6 +58,10 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
+    def __reduce__(self):
+        # raised in the render process too, and pickled back with its status and field
+        return (_api_error_of, (self.status, self.message, dict(self.__dict__)))
+
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
@@ -119,6 +123,12 @@ def _param_of(loc: tuple) -> Optional[str]:
         elif isinstance(item, str) and item.isidentifier() and item not in _TYPE_TAGS:
             parts.append(("." if parts else "") + item)
     return "".join(parts) or None
+
+
+def _api_error_of(status: int, message: str, fields: dict[str, Any]) -> APIError:
+    error = APIError(status, message)
+    error.__dict__.update(fields)
+    return error
 
 
 def validation_error(exc: RequestValidationError) -> APIError:

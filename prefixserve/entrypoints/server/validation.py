@@ -1,4 +1,4 @@
-"""Checks every JSON body gets before any endpoint reads it, whatever the endpoint.
+"""Checks every JSON body gets before a model validates it, whatever the endpoint.
 
 Pydantic checks each field's type; what it lets through, and what used to fail deep in the
 engine step (ending every request in it) or in the tokenizer (a 500), is refused here with a
@@ -11,11 +11,10 @@ the operator trusts clients with it.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
-from fastapi import Request
-
-from prefixserve.entrypoints.server.errors import APIError, bad_request
+from prefixserve.errors import InvalidRequestError
 
 MAX_DEPTH = 32
 # names and ids a client sends are short; a long one is a mistake or an attack
@@ -28,28 +27,28 @@ RESERVED_TEMPLATE_KWARGS = {"chat_template", "messages", "tools", "documents", "
                             "tokenize", "tokenizer", "continue_final_message"}
 
 
-async def check_body(request: Request) -> None:
-    """A FastAPI dependency of every route: walks the parsed body (the one FastAPI parsed and
-    Starlette cached, so nothing is parsed twice)."""
-    if request.method not in ("POST", "PUT", "PATCH") or \
-            "json" not in request.headers.get("content-type", "application/json"):
-        return
-    try:
-        body = await request.json()
-    except ValueError:
-        return  # malformed JSON: FastAPI answers it with its own 400
-    state = request.app.state.server
+@dataclass(frozen=True)
+class BodyLimits:
+    """What a server takes; crosses into the process that parses large bodies."""
+    max_messages: int
+    trust_request_chat_template: bool
+
+
+def check_parsed_body(body: Any, limits: BodyLimits) -> None:
+    """The checks of a parsed JSON body, before any model validates it. Pure, so that it runs in
+    the server and in the render process alike."""
     # counted before anything walks them: a refused body should cost as little as possible
     messages = body.get("messages") if isinstance(body, dict) else None
-    if isinstance(messages, list) and len(messages) > state.config.max_messages:
-        raise bad_request(f"{len(messages)} messages; this server takes at most "
-                          f"{state.config.max_messages} per request", param="messages", code="too_many_messages")
+    if isinstance(messages, list) and len(messages) > limits.max_messages:
+        raise InvalidRequestError(f"{len(messages)} messages; this server takes at most "
+                                  f"{limits.max_messages} per request", param="messages",
+                                  code="too_many_messages")
     _walk(body, "", 0)
     if isinstance(body, dict):
         for name in NAME_FIELDS:
             if isinstance(body.get(name), str) and len(body[name]) > MAX_NAME_CHARS:
-                raise bad_request(f"{name} is longer than {MAX_NAME_CHARS} characters", param=name)
-        check_template_fields(body, state.config.trust_request_chat_template)
+                raise InvalidRequestError(f"{name} is longer than {MAX_NAME_CHARS} characters", param=name)
+        check_template_fields(body, limits.trust_request_chat_template)
 
 
 def check_template_fields(body: dict[str, Any], trusted: bool) -> None:
@@ -57,31 +56,32 @@ def check_template_fields(body: dict[str, Any], trusted: bool) -> None:
     if isinstance(kwargs, dict):
         for key in kwargs:
             if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier():
-                raise bad_request(f"chat_template_kwargs may not set {key!r}", param=f"chat_template_kwargs.{key}")
+                raise InvalidRequestError(f"chat_template_kwargs may not set {key!r}",
+                                          param=f"chat_template_kwargs.{key}")
     if body.get("chat_template") is not None and not trusted:
-        raise APIError(400, "this server does not run chat templates sent by clients (start it with "
-                            "--trust-request-chat-template to allow them)", param="chat_template",
-                       code="chat_template_not_allowed")
+        raise InvalidRequestError("this server does not run chat templates sent by clients (start it with "
+                                  "--trust-request-chat-template to allow them)", param="chat_template",
+                                  code="chat_template_not_allowed")
 
 
 def _walk(value: Any, path: str, depth: int) -> None:
     if depth > MAX_DEPTH:
-        raise bad_request(f"the body nests deeper than {MAX_DEPTH} levels", param=path or None)
+        raise InvalidRequestError(f"the body nests deeper than {MAX_DEPTH} levels", param=path or None)
     if isinstance(value, str):
         if not value.isascii():
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
-                raise bad_request(f"{path or 'body'} is not valid Unicode (a lone UTF-16 surrogate)",
-                                  param=path or None, code="invalid_unicode") from None
+                raise InvalidRequestError(f"{path or 'body'} is not valid Unicode (a lone UTF-16 surrogate)",
+                                          param=path or None, code="invalid_unicode") from None
     elif isinstance(value, bool) or value is None:
         return
     elif isinstance(value, int):
         if not -MAX_INT - 1 <= value <= MAX_INT:
-            raise bad_request(f"{path or 'body'} is an integer beyond 64 bits", param=path or None)
+            raise InvalidRequestError(f"{path or 'body'} is an integer beyond 64 bits", param=path or None)
     elif isinstance(value, float):
         if not math.isfinite(value):
-            raise bad_request(f"{path or 'body'} must be a finite number", param=path or None)
+            raise InvalidRequestError(f"{path or 'body'} must be a finite number", param=path or None)
     elif isinstance(value, dict):
         for key, item in value.items():
             _walk(key, path, depth + 1)

@@ -10,8 +10,9 @@ at the lowest CPU priority: it gets the cores the engine leaves idle, a huge pro
 little longer, and the streams do not notice (`scripts/stream_gap.py`).
 
 The child loads its own copy of the engine's tokenizer once. What crosses the process
-boundary is plain data: the conversation and options in, the text, token ids, breakpoints and
-(when asked) spans out; errors keep their class, field and code. The child is also the
+boundary is plain data: the conversation (or a large body's raw bytes, parsed here: bodies.py)
+and options in, the text, token ids, breakpoints and (when asked) spans out; errors keep their
+class, field and code. The child is also the
 sandbox for templates: a rendering that runs past its time is killed with the child (a new
 one starts), its address space is capped, and a prompt that cannot fit the model is refused
 there, before its token ids are sent back.
@@ -22,10 +23,18 @@ import asyncio
 import multiprocessing
 import os
 import resource
-from concurrent.futures import ProcessPoolExecutor
+import signal
+import uuid
+from collections import OrderedDict
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pydantic import BaseModel
+
+from prefixserve.entrypoints.server.prompting.bodies import (CHAT_KINDS, ConversationSource,
+                                                             ParsedConversation, parse_body, parse_chat)
+from prefixserve.entrypoints.server.validation import BodyLimits
 from prefixserve.errors import InvalidRequestError, PromptTooLongError
 from prefixserve.prompt import Breakpoint, Conversation, PromptRenderer, Span
 
@@ -34,8 +43,12 @@ LOWEST_PRIORITY = 19
 # of the model's context cannot fit, and is refused before it is encoded.
 MAX_CHARS_PER_TOKEN = 64
 CHILD_ADDRESS_SPACE = 8 * 2**30
+# Conversations parsed here and not yet rendered: a request that fails in between (its model
+# is wrong, say) never renders, so only the newest few are kept.
+MAX_PARSED = 16
 _tokenizer = None  # the child's own tokenizer, loaded by _start
 _max_tokens = 0
+_parsed: OrderedDict[str, Conversation] = OrderedDict()
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,9 @@ class RenderedChat:
 
 def _start(model: str, max_tokens: int) -> None:
     global _tokenizer, _max_tokens
+    # Ctrl-C in a terminal reaches the whole process group: the server shuts the child down
+    # itself, and a KeyboardInterrupt traceback from here would only be noise.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         os.nice(LOWEST_PRIORITY)
     except (AttributeError, OSError):  # not allowed here: run at normal priority
@@ -73,8 +89,42 @@ def _check_tokens(ids: list[int], param: str) -> None:
                                  "least one token must be generated", param=param)
 
 
-def _render(conversation: Conversation, add_generation_prompt: bool, template_kwargs: Optional[dict[str, Any]],
-            with_spans: bool) -> RenderedChat:
+def _parse(raw: bytes, model: type[BaseModel], limits: BodyLimits) -> BaseModel:
+    return parse_body(raw, model, limits)
+
+
+def _parse_chat(raw: bytes, kind: str, limits: BodyLimits, key: str) -> BaseModel:
+    body, conversation = parse_chat(raw, kind, limits)
+    _parsed[key] = conversation
+    while len(_parsed) > MAX_PARSED:
+        _parsed.popitem(last=False)
+    return body.model_copy(update=CHAT_KINDS[kind].conversation_fields)
+
+
+def _conversation(source: ConversationSource) -> Conversation:
+    if isinstance(source, Conversation):
+        return source
+    conversation = _parsed.pop(source.key, None)
+    if conversation is None:  # a new child, or pushed out by newer ones: parse the body again
+        conversation = parse_chat(source.raw, source.kind, source.limits)[1]
+    return conversation
+
+
+def _after_content(content: Conversation, conversation: Conversation) -> Conversation:
+    if conversation.tools:
+        raise InvalidRequestError("a request using cached_content takes its tools from the cached "
+                                  "content; do not send tools", param="tools")
+    if any(t.fields.get("role") == "system" for t in conversation.turns):
+        raise InvalidRequestError("a request using cached_content takes its system prompt from the "
+                                  "cached content; do not send one", param="system")
+    return content.then(conversation)
+
+
+def _render(source: ConversationSource, content: Optional[Conversation], add_generation_prompt: bool,
+            template_kwargs: Optional[dict[str, Any]], with_spans: bool) -> RenderedChat:
+    conversation = _conversation(source)
+    if content is not None:
+        conversation = _after_content(content, conversation)
     renderer = PromptRenderer(_tokenizer, add_generation_prompt=add_generation_prompt,
                               template_kwargs=template_kwargs)
     try:
@@ -111,6 +161,7 @@ class RenderPool:
         self.timeout_s = timeout_s
         self.processes = processes
         self._pool: Optional[ProcessPoolExecutor] = None
+        self._started: Optional[Future] = None
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
@@ -118,10 +169,23 @@ class RenderPool:
             # would copy mid-flight.
             self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_start, initargs=(self.model, self.max_tokens))
+            self._started = self._pool.submit(_ready)
+            # Lowered from here, not only by the child itself: its start (an interpreter, then
+            # imports) runs before _start, and at normal priority it stalled the engine's
+            # OpenMP team each time a killed child was replaced.
+            for process in list(getattr(self._pool, "_processes", {}).values()):
+                try:
+                    os.setpriority(os.PRIO_PROCESS, process.pid, LOWEST_PRIORITY)
+                except (AttributeError, OSError):
+                    pass
         return self._pool
 
     async def _call(self, fn, *args: Any) -> Any:
-        future = self._executor().submit(fn, *args)
+        pool = self._executor()
+        # A child's start (imports, the tokenizer) is not the request's time: the clock starts
+        # once the child is up.
+        await asyncio.wrap_future(self._started)
+        future = pool.submit(fn, *args)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
         except asyncio.TimeoutError:
@@ -140,11 +204,22 @@ class RenderPool:
 
     def warm_up(self) -> None:
         """Starts the child now (without waiting), so the first request does not pay for it."""
-        self._executor().submit(_ready)
+        self._executor()
 
-    async def render(self, conversation: Conversation, *, add_generation_prompt: bool = True,
-                     template_kwargs: Optional[dict[str, Any]] = None, with_spans: bool = False) -> RenderedChat:
-        return await self._call(_render, conversation, add_generation_prompt, template_kwargs, with_spans)
+    async def parse(self, raw: bytes, model: type[BaseModel], limits: BodyLimits) -> BaseModel:
+        return await self._call(_parse, raw, model, limits)
+
+    async def parse_chat(self, raw: bytes, kind: str, limits: BodyLimits) -> tuple[BaseModel, ParsedConversation]:
+        """The body without its conversation, which stays in the child until rendered."""
+        key = uuid.uuid4().hex
+        body = await self._call(_parse_chat, raw, kind, limits, key)
+        return body, ParsedConversation(key, kind, raw, limits)
+
+    async def render(self, source: ConversationSource, *, content: Optional[Conversation] = None,
+                     add_generation_prompt: bool = True, template_kwargs: Optional[dict[str, Any]] = None,
+                     with_spans: bool = False) -> RenderedChat:
+        """`content`: a cached content's conversation, which the request's continues."""
+        return await self._call(_render, source, content, add_generation_prompt, template_kwargs, with_spans)
 
     async def encode(self, texts: list[str], *, add_special_tokens: bool) -> list[list[int]]:
         return await self._call(_encode, texts, add_special_tokens)
