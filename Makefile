@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench clean redis-server
 
 setup: $(VENV)/.installed
 
@@ -19,8 +19,11 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/prefixserve demo $(ARGS)
 
-test: setup
+test: setup redis-server
 	$(PY) -m pytest -q $(ARGS)
+
+redis-server:
+	bash scripts/install_redis_server.sh
 
 bench: setup
 	$(VENV)/bin/prefixserve bench $(ARGS)

@@ -1,0 +1,69 @@
+"""What every store client offers. A store knows keys and bytes, never tokens or requests."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterator, Optional, Sequence
+
+from prefixserve.kv.stores.url import StoreSpec
+
+# (head, payload, checksum) as record.encode_parts returns them.
+RecordParts = tuple
+
+
+class StoreError(Exception):
+    """The store could not answer (unreachable, disk full, I/O error): counted as a fault and
+    served as a miss."""
+
+
+class KVStore(ABC):
+    persistent = False   # whether its records outlive the process
+    remote = False       # whether counting its records costs a scan of a server
+
+    def __init__(self, spec: StoreSpec) -> None:
+        self.spec = spec
+
+    @property
+    def display(self) -> str:
+        return self.spec.display
+
+    @abstractmethod
+    def get(self, key: str) -> Optional[bytes]:
+        """The record under key, None if absent."""
+
+    def get_many(self, keys: Sequence[str]) -> list:
+        """The records under keys (None where absent), as buffers that stay valid until the
+        next get_many on this store; stores override it to overlap or batch the reads."""
+        return [self.get(k) for k in keys]
+
+    @abstractmethod
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is held; one round trip for the whole batch where the store is
+        remote, so a router can cost a lookup cheaply."""
+
+    @abstractmethod
+    def put(self, key: str, parts: RecordParts, spill: bool = False) -> list[tuple[str, bytes]]:
+        """Stores a record; with spill, returns the records evicted to make room (for the
+        next store)."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        ...
+
+    @abstractmethod
+    def scan(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        """(key, record size) of every record whose key starts with prefix."""
+
+    def clear(self, prefix: str = "") -> int:
+        """Deletes every record whose key starts with prefix; returns how many."""
+        n = 0
+        for key, _ in list(self.scan(prefix)):
+            self.delete(key)
+            n += 1
+        return n
+
+    @abstractmethod
+    def usage(self) -> tuple[int, int]:
+        """(records, bytes) held, as far as this process knows."""
+
+    def close(self) -> None:
+        """Releases connections and handles."""

@@ -1,0 +1,214 @@
+"""`file:///dir?size=...`: one file per block under a directory per key scope.
+
+The directory is indexed at start from names and sizes alone (no block is read), so a large
+store opens fast. Files are written under a temporary name and renamed into place, so a
+crash leaves either the whole record or none; a torn or altered file fails its checksum when
+read and is deleted. Several processes may share a directory: one that misses its own index
+looks at the disk before answering.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator, Optional, Sequence
+
+from prefixserve.kv.stores.base import KVStore, RecordParts, StoreError
+from prefixserve.kv.stores.url import StoreSpec
+
+SUFFIX = ".kvb"
+_READERS = 4
+_KEY = re.compile(r"([0-9a-f]{2,64})/([0-9a-f]{2,128})")
+logger = logging.getLogger(__name__)
+
+
+class FileStore(KVStore):
+    persistent = True
+
+    def __init__(self, spec: StoreSpec) -> None:
+        super().__init__(spec)
+        self.root = spec.path
+        self.capacity = spec.size
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()   # key -> size, oldest first
+        self._bytes = 0
+        self._tmp_ids = itertools.count()
+        self._arena = bytearray()   # get_many's read buffer
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            self._load_index()
+        except OSError as exc:
+            raise StoreError(f"cannot open file store {self.root}: {exc}") from None
+
+    def _load_index(self) -> None:
+        found = []
+        with os.scandir(self.root) as scopes:
+            for scope in scopes:
+                if not scope.is_dir(follow_symlinks=False):
+                    continue
+                with os.scandir(scope.path) as entries:
+                    for e in entries:
+                        if not e.name.endswith(SUFFIX):
+                            continue
+                        key = f"{scope.name}/{e.name[:-len(SUFFIX)]}"
+                        if _KEY.fullmatch(key) and e.is_file(follow_symlinks=False):
+                            st = e.stat(follow_symlinks=False)
+                            found.append((st.st_mtime_ns, key, st.st_size))
+        for _, key, size in sorted(found):
+            self._index[key] = size
+            self._bytes += size
+
+    def _path(self, key: str) -> str:
+        m = _KEY.fullmatch(key)
+        if m is None:
+            raise ValueError(f"not a store key: {key!r}")
+        return os.path.join(self.root, m.group(1), m.group(2) + SUFFIX)
+
+    def get(self, key: str) -> Optional[bytearray]:
+        # Read, not memory-mapped: a file truncated in place by someone else while mapped
+        # would kill the process (SIGBUS) instead of failing its checksum.
+        path = self._path(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                n = f.readinto(data)
+                if n != len(data):
+                    del data[n:]
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except OSError as exc:
+            raise StoreError(f"reading {path}: {exc}") from None
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+            else:
+                self._index[key] = len(data)
+                self._bytes += len(data)
+        return data
+
+    def get_many(self, keys: Sequence[str]) -> list[Optional[memoryview]]:
+        """Reads into one buffer this store keeps and reuses (fresh memory costs a page fault
+        per 4 KiB, more than the read): the records are views valid until the next call."""
+        files: list[Optional[object]] = []
+        sizes = []
+        try:
+            for key in keys:
+                try:
+                    f = open(self._path(key), "rb", buffering=0)
+                except FileNotFoundError:
+                    self._forget(key)
+                    files.append(None)
+                    sizes.append(0)
+                    continue
+                files.append(f)
+                sizes.append(os.fstat(f.fileno()).st_size)
+            if sum(sizes) > len(self._arena):
+                self._arena = bytearray(sum(sizes))
+            arena = memoryview(self._arena)
+            views, offset = [], 0
+            for size in sizes:
+                views.append(arena[offset:offset + size])
+                offset += size
+
+            def read(i: int) -> int:
+                return files[i].readinto(views[i]) if files[i] is not None else 0
+
+            # Reads release the GIL: a few at a time keep the disk's queue full.
+            with ThreadPoolExecutor(_READERS, thread_name_prefix="prefixserve-kv-read") as pool:
+                counts = list(pool.map(read, range(len(keys))))
+        except OSError as exc:
+            raise StoreError(f"reading from {self.root}: {exc}") from None
+        finally:
+            for f in files:
+                if f is not None:
+                    f.close()
+        out = []
+        with self._lock:
+            for key, f, view, n in zip(keys, files, views, counts):
+                if f is None:
+                    out.append(None)
+                    continue
+                if key in self._index:
+                    self._index.move_to_end(key)
+                out.append(view[:n])
+        return out
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        with self._lock:
+            held = [k in self._index for k in keys]
+        for i, key in enumerate(keys):
+            if not held[i]:
+                # Written by another process since this one indexed the directory.
+                held[i] = os.path.isfile(self._path(key))
+        return held
+
+    def put(self, key: str, parts: RecordParts, spill: bool = False) -> list[tuple[str, bytes]]:
+        path = self._path(key)
+        size = sum(memoryview(p).nbytes for p in parts)
+        if self.capacity is not None and size > self.capacity:
+            return []
+        tmp = os.path.join(os.path.dirname(path),
+                           f".tmp.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_ids)}")
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "wb") as f:
+                for p in parts:
+                    f.write(p)
+            os.replace(tmp, path)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise StoreError(f"writing {path}: {exc}") from None
+        victims = []
+        with self._lock:
+            old = self._index.pop(key, None)
+            if old is not None:
+                self._bytes -= old
+            self._index[key] = size
+            self._bytes += size
+            while self.capacity is not None and self._bytes > self.capacity and len(self._index) > 1:
+                k, s = self._index.popitem(last=False)
+                self._bytes -= s
+                victims.append(k)
+        evicted = []
+        for k in victims:
+            p = self._path(k)
+            try:
+                if spill:
+                    with open(p, "rb") as f:
+                        evicted.append((k, f.read()))
+                os.unlink(p)
+            except OSError as exc:
+                logger.debug("evicting %s: %s", p, exc)
+        return evicted
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._bytes -= size
+
+    def delete(self, key: str) -> None:
+        self._forget(key)
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise StoreError(f"deleting {key}: {exc}") from None
+
+    def scan(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        with self._lock:
+            items = [(k, s) for k, s in self._index.items() if k.startswith(prefix)]
+        return iter(items)
+
+    def usage(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._index), self._bytes
