@@ -1,0 +1,232 @@
+"""The replicated service on a local Ray cluster: 2 replicas of random:qwen3-tiny behind the
+prefix-aware router (and a round-robin application beside it), served over HTTP by the same
+app as the single-process server. One Ray cluster for the whole module, shut down after."""
+import asyncio
+import time
+
+import httpx
+import pytest
+import ray   # the `replicas` extra, which the `test` extra includes
+
+from prefixserve.engine import EngineConfig
+from prefixserve.entrypoints.server.app import build_app
+from prefixserve.entrypoints.server.config import ServerConfig
+from prefixserve.replicas.metrics import install_routing_metrics
+from prefixserve.replicas.policy import RoutingConfig
+from prefixserve.replicas.service import ReplicaConfig, ReplicaService
+from tests.test_server_api import LiveServer
+
+pytestmark = pytest.mark.slow
+ENGINE = dict(model="random:qwen3-tiny", block_size=16, num_kv_blocks=256, dtype="float32",
+              max_num_batched_tokens=512)
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron".split()
+
+
+def system_prompt(tenant: int) -> str:
+    return " ".join(WORDS[(tenant * 7 + i * 3) % len(WORDS)] + str(i % 10) for i in range(120))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="prefixserve-test")
+    yield
+    from ray import serve
+    serve.shutdown()
+    ray.shutdown()
+
+
+def start(app_name: str, router: str):
+    service = ReplicaService(EngineConfig(**ENGINE), ReplicaConfig(
+        num_replicas=2, replica_cpus=0.5, app_name=app_name, health_check_period_s=1.0,
+        routing=RoutingConfig(router=router)), max_waiting=64)
+    front = service.start()
+    app = build_app(front, ServerConfig(max_waiting=64))
+    install_routing_metrics(app, front)
+    live = LiveServer(app)
+    return service, front, live
+
+
+@pytest.fixture(scope="module")
+def prefix_aware(cluster):
+    service, front, live = start("pa", "prefix-aware")
+    with live:
+        yield service, front, live
+    service.stop()
+
+
+@pytest.fixture(scope="module")
+def round_robin(cluster):
+    service, front, live = start("rr", "round-robin")
+    with live:
+        yield service, front, live
+    service.stop()
+
+
+def complete(live, prompt: str, salt=None, max_tokens=2) -> dict:
+    body = {"model": "random:qwen3-tiny", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0}
+    if salt is not None:
+        body["cache_salt"] = salt
+    r = httpx.post(live.base_url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cached(resp: dict) -> int:
+    return (resp["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def routing(front) -> dict:
+    views = asyncio.run(front.routing())
+    assert len(views) >= 1
+    merged = {"reasons": {}, "held": {}, "routed": {}}
+    for view in views.values():
+        for key in merged:
+            for k, v in view[key].items():
+                merged[key][k] = merged[key].get(k, 0) + v
+    return merged
+
+
+def wait_for(cond, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def replica_stats(live) -> dict:
+    return live.async_llm.replica_stats()
+
+
+def test_requests_sharing_a_prefix_go_to_the_replica_that_holds_it(prefix_aware):
+    _, front, live = prefix_aware
+    assert httpx.post(live.base_url + "/reset_prefix_cache", timeout=60).status_code == 200
+    wait_for(lambda: sum(routing(front)["held"].values()) == 0)
+    first = complete(live, system_prompt(1) + " first question", salt="holder")
+    wait_for(lambda: sum(routing(front)["held"].values()) > 0)
+    holder = max(routing(front)["held"].items(), key=lambda kv: kv[1])[0]
+    wait_for(lambda: sum(routing(front)["routed"].values()) == 1)
+    routed_before = routing(front)["routed"].get(holder, 0)
+    answers = [complete(live, system_prompt(1) + f" question {i}", salt="holder") for i in range(4)]
+    prefix_tokens = first["usage"]["prompt_tokens"] // 16 * 16 - 16
+    for a in answers:
+        assert cached(a) >= prefix_tokens   # each one hit the whole shared prefix
+    # The routers report their counts every poll: wait for the report, not for the routing.
+    wait_for(lambda: sum(routing(front)["routed"].values()) == 5)
+    assert routing(front)["routed"].get(holder, 0) - routed_before == 4
+
+
+def test_prefix_aware_beats_round_robin_on_hit_rate(prefix_aware, round_robin):
+    rates = {}
+    for name, (_, front, live) in (("pa", prefix_aware), ("rr", round_robin)):
+        hits = total = 0
+        # Each tenant twice in a row first: round-robin cannot keep a tenant on one replica.
+        for i, tenant in enumerate([0, 0, 1, 1, 2, 2, 3, 3, 0, 1, 2, 3]):
+            r = complete(live, system_prompt(tenant) + f" q{i}", salt=f"{name}-t{tenant}")
+            hits += cached(r)
+            total += r["usage"]["prompt_tokens"]
+            time.sleep(0.15)   # the router's view follows the replicas' events
+        rates[name] = hits / total
+    # Round-robin over 2 replicas computes each tenant's prompt on both; prefix-aware on one.
+    assert rates["pa"] > rates["rr"] * 1.2, rates
+
+
+def test_salts_never_share_across_replicas_or_within_one(prefix_aware):
+    _, front, live = prefix_aware
+    prompt = system_prompt(2) + " same words"
+    complete(live, prompt, salt="tenant-a")
+    time.sleep(0.3)
+    assert cached(complete(live, prompt, salt="tenant-b")) == 0
+    assert cached(complete(live, prompt)) == 0
+    assert cached(complete(live, prompt, salt="tenant-a")) > 0
+
+
+def test_reset_clears_the_routers_view(prefix_aware):
+    _, front, live = prefix_aware
+    complete(live, system_prompt(3) + " before reset", salt="reset")
+    wait_for(lambda: sum(routing(front)["held"].values()) > 0)
+    r = httpx.post(live.base_url + "/reset_prefix_cache", timeout=60)
+    assert r.status_code == 200 and r.json()["dropped_blocks"] > 0
+    wait_for(lambda: sum(routing(front)["held"].values()) == 0)
+    assert cached(complete(live, system_prompt(3) + " after reset", salt="reset")) == 0
+
+
+def test_metrics_show_routing_next_to_the_engines(prefix_aware):
+    """Decisions by reason and per-replica figures agree with the routers' own counts and the
+    replicas' own stats (refreshed every half second)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    _, front, live = prefix_aware
+    complete(live, system_prompt(5) + " one", salt="metrics")
+    time.sleep(0.3)
+    complete(live, system_prompt(5) + " two", salt="metrics")
+    time.sleep(1.2)
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(live.base_url + "/metrics").text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    view = routing(front)
+    assert samples[("prefixserve:router_decisions_total", (("reason", "prefix_hit"),))] \
+        == view["reasons"]["prefix_hit"] >= 1
+    stats = replica_stats(live)
+    assert len(stats) == 2
+    for replica, st in stats.items():
+        rate = samples[("prefixserve:replica_prefix_cache_hit_rate", (("replica", replica),))]
+        assert rate == pytest.approx(st["cached_prompt_tokens"] / max(1, st["prompt_tokens"]))
+
+
+def test_chat_and_anthropic_messages_are_served_and_routed_to_the_holder(prefix_aware):
+    """Both chat APIs through the replicas: a second request on the same system prompt reads
+    it from the cache of the replica the first one filled."""
+    _, front, live = prefix_aware
+    system = system_prompt(6)
+    chat = {"model": "random:qwen3-tiny", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "a"}]}
+    r = httpx.post(live.base_url + "/v1/chat/completions", json=chat, timeout=120)
+    assert r.status_code == 200, r.text
+    time.sleep(0.3)
+    chat["messages"][1]["content"] = "b"
+    r = httpx.post(live.base_url + "/v1/chat/completions", json=chat, timeout=120)
+    assert r.status_code == 200 and cached(r.json()) > 0, r.text
+    msg = {"model": "random:qwen3-tiny", "max_tokens": 2, "system": system,
+           "messages": [{"role": "user", "content": "c"}]}
+    first = httpx.post(live.base_url + "/v1/messages", json=msg, timeout=120)
+    assert first.status_code == 200, first.text
+    time.sleep(0.3)
+    msg["messages"][0]["content"] = "d"
+    second = httpx.post(live.base_url + "/v1/messages", json=msg, timeout=120).json()
+    assert second["type"] == "message" and second["usage"]["cache_read_input_tokens"] > 0
+
+
+def test_cached_contents_are_refused_clearly(prefix_aware):
+    _, _, live = prefix_aware
+    r = httpx.get(live.base_url + "/v1/cached_contents", timeout=30)
+    assert r.status_code == 400 and "replicas" in r.text
+
+
+def test_a_replica_killed_mid_run(prefix_aware):
+    """Kill the replica serving a request while it streams: that request ends with a clear
+    EngineError, the service keeps answering (over HTTP too), Ray Serve starts a replacement,
+    and the router forgets the dead replica's blocks."""
+    from prefixserve.errors import EngineError
+    from prefixserve.sampling_params import SamplingParams
+    service, front, live = prefix_aware
+    tokens = front.tokenizer.encode(system_prompt(4))
+
+    async def run_and_kill() -> str:
+        stream = await front.add_request("doomed", {"prompt_token_ids": tokens},
+                                         SamplingParams(max_tokens=3000, temperature=0.0,
+                                                        ignore_eos=True), cache_salt="kill")
+        await stream.__anext__()
+        actor = ray.get_actor(f"SERVE_REPLICA::{service.config.app_name}#EngineReplica#"
+                              f"{stream.replica}", namespace="serve")
+        ray.kill(actor, no_restart=True)
+        with pytest.raises(EngineError, match="stopped"):
+            async for out in stream:
+                assert not out.finished, "the request finished before its replica was killed"
+        return stream.replica
+
+    victim = asyncio.run(run_and_kill())
+    for i in range(3):
+        assert complete(live, system_prompt(4) + f" after {i}", salt="kill")["choices"]
+    wait_for(lambda: victim not in routing(front)["held"], timeout=60)
+    wait_for(lambda: len(replica_stats(live)) == 2 and victim not in replica_stats(live), timeout=120)
