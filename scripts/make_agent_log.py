@@ -16,6 +16,11 @@ defeat prefix caching (the patterns `prefixserve lint` is built to find):
   hooli     tiny prompts, chat and completion endpoints: the shared prefix is shorter than a
             block (short-prefix).
   wayne     a clean multi-turn assistant with tools (the control group: no rule should fire).
+  stark     data agent whose client rebuilds tool results and call arguments from parsed JSON on
+            every turn (key order and separators drift: reserialized-json).
+  cyberdyne long chats kept short by deleting the middle of the history (history-truncation).
+  tyrell    reasoning assistant whose turns carry reasoning_content, which the template drops
+            once a new user turn follows (template-rewrite).
 
 Deterministic: the same --seed writes the same file.
 Usage: python scripts/make_agent_log.py OUT.jsonl [--requests 200] [--seed 0]
@@ -92,6 +97,7 @@ class Conversation:
     tools: Callable[[int], list | None]
     history_hook: Callable[[list[dict], int], list[dict]] = lambda msgs, turn: msgs
     use_tools: bool = False
+    reasoning: bool = False
     messages: list[dict] = field(default_factory=list)
     turn: int = 0
 
@@ -135,12 +141,24 @@ def chat_step(writer: LogWriter, conv: Conversation) -> None:
         calls = [{"id": call_id, "type": "function", "function": {
             "name": name, "arguments": json.dumps({"path": f"src/{rng.choice(WORDS)}.py"})}}]
         writer.emit(conv.tenant, body, reply, calls)
-        conv.messages.append({"role": "assistant", "content": "", "tool_calls": calls})
+        message = {"role": "assistant", "content": "", "tool_calls": calls}
+        if conv.reasoning:
+            message["reasoning_content"] = paragraph(rng, 2)
+        conv.messages.append(message)
         conv.messages.append({"role": "tool", "tool_call_id": call_id,
                               "content": "\n".join(sentence(rng) for _ in range(rng.randint(3, 8)))})
+        if conv.reasoning:
+            # the agent loop goes on after the tool result, before the user speaks again
+            sent = conv.history_hook([dict(m) for m in conv.messages], conv.turn)
+            answer = paragraph(rng, rng.randint(1, 2))
+            writer.emit(conv.tenant, {**body, "messages": sent}, answer)
+            conv.messages.append({"role": "assistant", "content": answer})
     else:
         writer.emit(conv.tenant, body, reply)
-        conv.messages.append({"role": "assistant", "content": reply})
+        message = {"role": "assistant", "content": reply}
+        if conv.reasoning:
+            message["reasoning_content"] = paragraph(rng, 2)
+        conv.messages.append(message)
     conv.turn += 1
 
 
@@ -210,10 +228,44 @@ def make_conversations(rng: random.Random, tenant: str) -> Conversation:
         assistant = "You are Wayne's personal assistant.\n\n" + stable_text("wayne", 4)
         return Conversation(tenant, rng.randint(2, 5), lambda turn: assistant,
                             lambda turn: WAYNE_TOOLS)
+    if tenant == "stark":
+        instructions = "You are Stark's data agent.\n\n" + stable_text("stark", 4)
+
+        def redump(msgs: list[dict], turn: int) -> list[dict]:
+            # the client keeps parsed objects and serialises them again, its own way each time
+            for i, m in enumerate(msgs):
+                if m["role"] == "tool":
+                    value = {"lines": m["content"].split("\n"), "status": "ok", "turn": i}
+                    msgs[i] = {**m, "content": json.dumps(reorder_keys(value) if rng.random() < 0.5
+                                                          else value)}
+                elif m.get("tool_calls"):
+                    calls = [{**c, "function": {**c["function"], "arguments": json.dumps(
+                        json.loads(c["function"]["arguments"]),
+                        separators=(",", ":") if rng.random() < 0.5 else (", ", ": "))}}
+                        for c in m["tool_calls"]]
+                    msgs[i] = {**m, "tool_calls": calls}
+            return msgs
+
+        return Conversation(tenant, rng.randint(4, 7), lambda turn: instructions,
+                            lambda turn: ACME_TOOLS, redump, use_tools=True)
+    if tenant == "cyberdyne":
+        instructions = "You are Cyberdyne's planning assistant.\n\n" + stable_text("cyberdyne", 4)
+
+        def keep_ends(msgs: list[dict], turn: int) -> list[dict]:
+            # the first exchange and the latest four messages; the middle goes
+            return msgs if len(msgs) <= 7 else msgs[:3] + msgs[-4:]
+
+        return Conversation(tenant, rng.randint(5, 8), lambda turn: instructions, lambda turn: None,
+                            keep_ends)
+    if tenant == "tyrell":
+        instructions = "You are Tyrell's reasoning assistant.\n\n" + stable_text("tyrell", 4)
+        return Conversation(tenant, rng.randint(3, 5), lambda turn: instructions,
+                            lambda turn: WAYNE_TOOLS, use_tools=True, reasoning=True)
     raise ValueError(f"unknown tenant {tenant!r}")
 
 
-TENANT_WEIGHTS = {"acme": 4, "globex": 3, "initech": 2, "umbrella": 3, "hooli": 3, "wayne": 2}
+TENANT_WEIGHTS = {"acme": 4, "globex": 3, "initech": 2, "umbrella": 3, "hooli": 3, "wayne": 2,
+                  "stark": 2, "cyberdyne": 2, "tyrell": 2}
 
 
 def make_log(num_requests: int, seed: int) -> list[dict]:

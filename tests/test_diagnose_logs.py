@@ -98,7 +98,54 @@ def volatile_prefix_log(seed: int = 0) -> list[dict]:
                       + "\n\n" + STABLE), user(question(rng))]) for _ in range(4)]
 
 
+def call(name: str, arguments: str, call_id: str) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+
+def result(call_id: str, text: str) -> dict:
+    return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+def reserialized_json_log(seed: int = 0) -> list[dict]:
+    """The client sends the model's call and the tool's result back re-serialised each turn."""
+    rng = random.Random(seed)
+    u1, u2, u3 = (question(rng) for _ in range(3))
+    rows = [{"ticket": 1000 + i, "status": rng.choice(WORDS), "score": 0.50 + i} for i in range(8)]
+    as_sent = json.dumps({"rows": rows, "total": 8}).replace(".0,", ".00,")
+    redumped = json.dumps({"total": 8, "rows": [dict(reversed(list(r.items()))) for r in rows]})
+    first = [sys(STABLE), user(u1), call("lookup_ticket", '{"q": "printer", "limit": 1.50}', "c1"),
+             result("c1", as_sent)]
+    again = [sys(STABLE), user(u1), call("lookup_ticket", '{"limit": 1.5, "q": "printer"}', "c1"),
+             result("c1", redumped)]
+    return [chat(first + [user(u2)], tools=TOOLS),
+            chat(again + [user(u2), assistant(question(rng)), user(u3)], tools=TOOLS)]
+
+
+def history_truncation_log(seed: int = 0) -> list[dict]:
+    """Each turn drops the middle of the conversation to stay short."""
+    rng = random.Random(seed)
+    u = [question(rng) + " " + question(rng) for _ in range(6)]
+    a = [question(rng) + " " + question(rng) for _ in range(6)]
+    return [chat([sys(STABLE), user(u[0]), assistant(a[0]), user(u[1]), assistant(a[1]), user(u[2]),
+                  assistant(a[2]), user(u[3])]),
+            chat([sys(STABLE), user(u[0]), assistant(a[0]), user(u[3]), assistant(a[3]), user(u[4])])]
+
+
+def template_rewrite_log(seed: int = 0) -> list[dict]:
+    """Append-only history, but the template drops earlier reasoning once a new user turn comes."""
+    rng = random.Random(seed)
+    thought = " ".join(question(rng) for _ in range(4))
+    turns = [sys(STABLE), user(question(rng)),
+             {**call("search_manual", '{"q": "vpn"}', "c1"), "reasoning_content": thought},
+             result("c1", " ".join(question(rng) for _ in range(4)))]
+    return [chat(turns, tools=TOOLS),
+            chat(turns + [assistant(question(rng)), user(question(rng))], tools=TOOLS)]
+
+
 RULE_LOGS = {"dynamic-system": dynamic_system_log, "history-rewrite": history_rewrite_log,
+             "history-truncation": history_truncation_log, "reserialized-json": reserialized_json_log,
+             "template-rewrite": template_rewrite_log,
              "tool-order": tool_order_log, "whitespace-drift": whitespace_drift_log,
              "short-prefix": short_prefix_log, "volatile-prefix": volatile_prefix_log}
 

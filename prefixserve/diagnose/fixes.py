@@ -16,6 +16,11 @@ Per rule, for the tenants (salts) or requests it fired on:
   history-rewrite   the request keeps the earlier request's history verbatim and appends only
                     its own new messages (from the first message both share after the change);
                     its later turns inherit that appended history.
+  history-truncation  as history-rewrite: the deleted messages stay.
+  reserialized-json every tool-call arguments text and tool result sent as the first text the
+                    salt sent of that JSON value (the model's own reply counts as sent).
+  template-rewrite  reasoning fields left out of every message of the salt, so no later turn
+                    changes how an earlier one renders.
   short-prefix      not rewritten: the fix adds content, which a simulation cannot invent.
 lint applies a rule's fix to a salt only where the replay shows it does not lower that salt's
 reuse (see lint.py).
@@ -31,14 +36,17 @@ from typing import Optional
 
 from prefixserve.diagnose.log_reader import LogRecord
 from prefixserve.diagnose.rules import Finding, canonical_tools
-from prefixserve.diagnose.rules.base import message_key
+from prefixserve.diagnose.rules.base import json_identity, message_key
+from prefixserve.diagnose.rules.template_rewrite import REASONING_FIELDS
+from prefixserve.tools import format_of_template, parse_tool_calls
 from prefixserve.diagnose.textdiff import (EDGE_PUNCT, PATTERN_KINDS, normalize_whitespace,
                                            value_kind, without_whitespace)
 
 PLACEHOLDER = "[see context]"
 # The rules whose fixes rewrite the log (short-prefix's would have to invent content).
 SIMULATED_RULES = frozenset({"tool-order", "whitespace-drift", "dynamic-system",
-                             "volatile-prefix", "history-rewrite"})
+                             "volatile-prefix", "history-rewrite", "history-truncation",
+                             "reserialized-json", "template-rewrite"})
 _WORD = re.compile(r"\S+")
 _PLACEHOLDER_RUN = re.compile(re.escape(PLACEHOLDER) + r"(?:\s+" + re.escape(PLACEHOLDER) + ")+")
 
@@ -50,6 +58,8 @@ class FixPlan:
     dynamic_values: dict = field(default_factory=dict)      # salt -> set of values
     volatile_lines: dict = field(default_factory=dict)      # request id -> set of normalised lines
     history: dict = field(default_factory=dict)             # request id -> (earlier id, anchor, earlier anchor)
+    json_salts: set = field(default_factory=set)
+    no_reasoning_salts: set = field(default_factory=set)
 
     @classmethod
     def from_findings(cls, findings: list[Finding], salts: dict[str, Optional[str]]) -> "FixPlan":
@@ -67,7 +77,11 @@ class FixPlan:
                 for rid, key in ((f.request_id, "lines"), (f.compared_to, "earlier_lines")):
                     plan.volatile_lines.setdefault(rid, set()).update(
                         normalize_whitespace(line) for line in f.fix_data[key] if line.strip())
-            elif f.rule == "history-rewrite":
+            elif f.rule == "reserialized-json":
+                plan.json_salts.add(salt)
+            elif f.rule == "template-rewrite":
+                plan.no_reasoning_salts.add(salt)
+            elif f.rule in ("history-rewrite", "history-truncation"):
                 plan.history[f.request_id] = (f.compared_to, f.fix_data["anchor"],
                                               f.fix_data["earlier_anchor"])
         return plan
@@ -81,6 +95,7 @@ class Fixer:
         self._transcripts: dict[str, tuple[list[dict], int]] = {}
         self._originals: dict[str, LogRecord] = {}
         self._variants: dict[tuple, str] = {}       # (salt, text without whitespace) -> text
+        self._json_variants: dict[tuple, str] = {}  # (salt, JSON value written one way) -> text
 
     def apply(self, records: list[LogRecord]) -> list[LogRecord]:
         return [self._fix(r) for r in records]
@@ -95,6 +110,7 @@ class Fixer:
         out = []
         last = len(messages) - 1
         for index, msg in enumerate(messages):
+            msg = self._json_texts(salt, msg)
             content = msg.get("content")
             if not isinstance(content, str):
                 out.append(msg)
@@ -125,7 +141,35 @@ class Fixer:
             tools = json.loads(self._one_variant(salt, json.dumps(tools)))
         if record.output_text is not None:
             self._one_variant(salt, record.output_text)
+            if salt in self.plan.json_salts:
+                for call in parse_tool_calls(record.output_text, format_of_template(None))[1]:
+                    self._json_variants.setdefault((salt, json_identity(call.arguments)), call.arguments)
         return replace(record, messages=out, tools=tools)
+
+    def _json_texts(self, salt, msg: dict) -> dict:
+        """The message with its reasoning left out and its JSON texts (tool-call arguments, a
+        tool result) as the salt first sent them, where those fixes apply."""
+        if salt in self.plan.no_reasoning_salts:
+            msg = {k: v for k, v in msg.items() if k not in REASONING_FIELDS}
+        if salt not in self.plan.json_salts:
+            return msg
+
+        def first(text):
+            if not isinstance(text, str):
+                return text
+            try:
+                json.loads(text)
+            except ValueError:
+                return text
+            return self._json_variants.setdefault((salt, json_identity(text)), text)
+        if msg.get("role") == "tool":
+            msg = {**msg, "content": first(msg.get("content"))}
+        if isinstance(msg.get("tool_calls"), list):
+            msg = {**msg, "tool_calls": [
+                {**c, "function": {**c["function"], "arguments": first(c["function"].get("arguments"))}}
+                if isinstance(c, dict) and isinstance(c.get("function"), dict) else c
+                for c in msg["tool_calls"]]}
+        return msg
 
     def _one_variant(self, salt, text: str) -> str:
         """The first text this salt sent that equals `text` without whitespace."""

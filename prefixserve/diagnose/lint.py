@@ -294,7 +294,9 @@ def _candidate(pair: Pair, renderer: Renderer) -> _Candidate:
     for f in found:
         restored = RULES_BY_ID[f.rule].restore(f, record, earlier)
         if restored is None:
-            reaches.append(("shared", f.position))
+            # short-prefix: the shared prefix token by token; template-rewrite: the earlier
+            # conversation the template would have kept (its rule sets the reach)
+            reaches.append(("shared", f.fix_data.get("reach", f.position)))
             continue
         try:
             ids = renderer.prompt_ids(restored)

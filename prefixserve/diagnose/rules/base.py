@@ -80,12 +80,30 @@ def message_key(msg: dict) -> str:
 
 
 def content_key(msg: dict) -> str:
-    """message_key blind to whitespace in the content: the identity under which a message that
-    only drifted in whitespace is still the same message."""
+    """message_key blind to whitespace in the content and to how JSON is written in tool-call
+    arguments and tool results: the identity under which a message that only drifted in
+    whitespace, or was re-serialised, is still the same message."""
     content = msg.get("content")
-    return json.dumps([msg.get("role"), without_whitespace(content) if isinstance(content, str)
-                       else content, msg.get("tool_calls"), msg.get("tool_call_id")],
-                      sort_keys=True)
+    if msg.get("role") == "tool" and isinstance(content, str):
+        content = json_identity(content)
+    if isinstance(content, str):
+        content = without_whitespace(content)
+    calls = msg.get("tool_calls")
+    if isinstance(calls, list):
+        calls = [{**c, "function": {**c["function"], "arguments": json_identity(c["function"].get("arguments"))}}
+                 if isinstance(c, dict) and isinstance(c.get("function"), dict) else c for c in calls]
+    return json.dumps([msg.get("role"), content, calls, msg.get("tool_call_id")], sort_keys=True)
+
+
+def json_identity(text: object) -> object:
+    """A JSON text's value written one way (keys sorted, no spaces, numbers as Python reads
+    them); anything that is not JSON text is returned as it is."""
+    if not isinstance(text, str):
+        return text
+    try:
+        return json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+    except ValueError:
+        return text
 
 
 def excerpt(text: str, start: int, width: int = 70) -> str:

@@ -7,6 +7,7 @@ from typing import Optional
 
 from prefixserve.diagnose.log_reader import LogRecord
 from prefixserve.diagnose.rules.base import Finding, Pair, content_key, excerpt
+from prefixserve.diagnose.rules.history_truncation import truncation
 from prefixserve.prompt import HISTORY, common_prefix_len
 
 
@@ -22,6 +23,8 @@ class HistoryRewrite:
         if not (cur.is_chat and old.is_chat):
             return None
         a, b = old.messages, cur.messages
+        if truncation(a, b) is not None:
+            return None  # messages deleted, nothing rewritten: history-truncation's
         start = 1 if b[0]["role"] == "system" else 0
         # Whitespace-blind: a message that only drifted in whitespace is whitespace-drift's,
         # and the rewrite, if any, is the first message that really changed.

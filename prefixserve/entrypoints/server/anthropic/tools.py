@@ -1,0 +1,30 @@
+"""The tool parts of POST /v1/messages: tools (Anthropic's shape) and tool_choice checked, the
+grammar a forced choice puts on decoding, and the reply's content blocks and stop reason."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from prefixserve.entrypoints.server.anthropic.tool_blocks import reply_blocks
+from prefixserve.entrypoints.server.openai.tool_calls import ChatTools
+from prefixserve.entrypoints.server.prompting.conversations import tool_of
+from prefixserve.tools import parse_tool_calls
+
+
+def message_tools(body, tokenizer) -> ChatTools:
+    specs = [tool_of(t, f"tools[{i}]").spec for i, t in enumerate(body.tools or [])]
+    return ChatTools.build(specs, body.tool_choice, None, None, tokenizer)
+
+
+def reply(tools: ChatTools, text: str) -> tuple[list[dict[str, Any]], bool]:
+    """(content blocks, whether the model called tools) of a finished output."""
+    if not tools.choice.parses_calls:
+        return [{"type": "text", "text": text}], False
+    content, calls = parse_tool_calls(text, tools.fmt)
+    for call in calls:
+        call.id = "toolu_" + call.id.removeprefix("call_")
+    blocks = reply_blocks(content, calls)
+    return blocks or [{"type": "text", "text": ""}], bool(calls)
+
+
+def stop_reason_of(stop_reason: Optional[str], called: bool) -> Optional[str]:
+    return "tool_use" if called and stop_reason == "end_turn" else stop_reason

@@ -1,0 +1,129 @@
+"""Keeps an agent loop in the cache across turns: the next prompt reuses the very tokens the
+model generated, not a re-tokenization of their text.
+
+A chat template re-renders an earlier assistant turn as the same text, but tokenizing that text
+again need not give the tokens the model sampled (a model may spell "Paris" as "Par" + "is";
+under a grammar, a random model nearly always does), and from the first differing token on the
+previous turn's output is a cache miss. So the server remembers, per cache namespace, the token
+ids of recent finished turns (prompt + output, up to the end-of-turn token the output ended on)
+under a hash of their text; when a new prompt's text starts with a remembered turn's text right
+before an end-of-turn token, those ids replace the prefix's re-tokenization. The end-of-turn
+token itself stays the template's: a model may end on another stop token (`<|endoftext|>` where
+the template writes `<|im_end|>`), and its K/V was never computed anyway. The text is unchanged (the stored ids
+decode to exactly the hashed text), so only the tokenization, and with it the cache hit,
+changes; the namespace in the key keeps tenants from ever seeing each other's entries.
+
+Breakpoints (cache_control) after the replaced prefix move with it; a request with a breakpoint
+inside the replaced output, or asking for a diagnosis (its spans are token-indexed), keeps its
+own tokenization.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
+
+from prefixserve.engine.outputs import RequestOutput
+from prefixserve.entrypoints.server.prompting.render_pool import RenderedChat
+
+MAX_TURNS = 2048
+MAX_TOKENS = 4_000_000  # ~16 MB of token ids
+
+
+@dataclass
+class TurnMemory:
+    max_turns: int = MAX_TURNS
+    max_tokens: int = MAX_TOKENS
+    _turns: OrderedDict = field(default_factory=OrderedDict)  # (namespace, digest) -> array
+    _tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 0 or self.max_tokens < 0:
+            raise ValueError("max_turns and max_tokens must be >= 0")
+
+    def remember(self, namespace: Optional[str], prompt_text: str, prompt_ids: Sequence[int],
+                 output: RequestOutput, tokenizer) -> None:
+        """Records each sample that ended on an end-of-turn token."""
+        for c in output.outputs:
+            if c.finish_reason != "stop" or not c.token_ids or c.token_ids[-1] not in tokenizer.eos_token_ids:
+                continue
+            ids = array("l", prompt_ids)
+            ids.extend(c.token_ids[:-1])
+            if len(ids) > self.max_tokens:
+                continue
+            text = prompt_text + tokenizer.decode(c.token_ids[:-1], skip_special_tokens=False)
+            key = (namespace, _digest(text))
+            old = self._turns.pop(key, None)
+            self._tokens += len(ids) - (len(old) if old is not None else 0)
+            self._turns[key] = ids
+            while self._turns and (len(self._turns) > self.max_turns or self._tokens > self.max_tokens):
+                _, dropped = self._turns.popitem(last=False)
+                self._tokens -= len(dropped)
+
+    def splice(self, namespace: Optional[str], rendered: RenderedChat, tokenizer) -> RenderedChat:
+        """`rendered` with the longest remembered turn its text starts with in its own tokens."""
+        if rendered.spans is not None:
+            return rendered
+        found = self.continue_from(namespace, rendered.text, rendered.token_ids,
+                                   [b.num_tokens for b in rendered.breakpoints], tokenizer)
+        if found is None:
+            return rendered
+        token_ids, counts = found
+        return replace(rendered, token_ids=token_ids,
+                       breakpoints=[replace(b, num_tokens=n) for b, n in zip(rendered.breakpoints, counts)])
+
+    def continue_from(self, namespace: Optional[str], text: str, token_ids: list[int],
+                      breakpoint_tokens: list[int], tokenizer) -> Optional[tuple[list[int], list[int]]]:
+        """(token ids, breakpoint token counts) with the longest remembered turn this prompt
+        starts with spliced in; None when nothing applies."""
+        if not self._turns:
+            return None
+        hit = None
+        hasher = hashlib.sha256()
+        done = 0
+        for index, start in _turn_ends(text, token_ids, tokenizer):
+            hasher.update(text[done:start].encode("utf-8", "surrogatepass"))
+            done = start
+            key = (namespace, hasher.copy().hexdigest())
+            stored = self._turns.get(key)
+            if stored is not None:
+                hit = (index, stored, key)
+        if hit is None:
+            return None
+        k, stored, key = hit
+        self._turns.move_to_end(key)
+        first_diff = next((i for i, (a, b) in enumerate(zip(stored, token_ids)) if a != b), min(len(stored), k))
+        if first_diff >= k:
+            return None  # already the same tokens
+        shift = len(stored) - k
+        moved = []
+        for n in breakpoint_tokens:
+            if first_diff < n < k:
+                return None
+            moved.append(n + shift if n >= k else n)
+        return list(stored) + token_ids[k:], moved
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _turn_ends(text: str, token_ids: list[int], tokenizer) -> list[tuple[int, int]]:
+    """(token index, character start) of every end-of-turn token, matched in order between the
+    token ids and the text; empty when they do not pair up (then nothing is spliced)."""
+    ends = []
+    for eos in tokenizer.eos_token_ids:
+        marker = tokenizer.decode([eos], skip_special_tokens=False)
+        if not marker:
+            continue
+        indices = [i for i, t in enumerate(token_ids) if t == eos]
+        chars, at = [], text.find(marker)
+        while at >= 0:
+            chars.append(at)
+            at = text.find(marker, at + len(marker))
+        if len(indices) != len(chars):
+            return []
+        ends += zip(indices, chars)
+    return sorted(ends)
