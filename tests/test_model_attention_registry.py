@@ -84,8 +84,9 @@ def test_a_backend_module_registers_itself_and_auto_prefers_its_rank(scratch_reg
         select_backend("fake", "cpu", torch.bfloat16)
 
     # a whole engine runs on it by name: one metadata build per step, read by every layer
-    llm = LLM("random:qwen3-tiny", attention_backend="fake", block_size=4, num_kv_blocks=32)
-    reference = LLM("random:qwen3-tiny", block_size=4, num_kv_blocks=32)
+    # float32, the fake's only dtype (auto may pick bfloat16 on this CPU)
+    llm = LLM("random:qwen3-tiny", dtype="float32", attention_backend="fake", block_size=4, num_kv_blocks=32)
+    reference = LLM("random:qwen3-tiny", dtype="float32", block_size=4, num_kv_blocks=32)
     assert isinstance(llm.engine.loaded.model.attention_backend, fake.FakeBackend)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11]}, {"prompt_token_ids": [12, 13, 14]}]

@@ -70,7 +70,8 @@ def test_an_engine_serving_200_prompt_lengths_gives_onednn_few_shapes(monkeypatc
         return onednn(x, weight, bias)
 
     monkeypatch.setattr(linear_mod, "_onednn_linear", recording)
-    engine = LLMEngine(EngineConfig(model="random:qwen3-tiny", enable_prefix_caching=False))
+    # float32: the dtype that reaches _onednn_linear (auto may pick bfloat16, which F.linear serves)
+    engine = LLMEngine(EngineConfig(model="random:qwen3-tiny", dtype="float32", enable_prefix_caching=False))
     rng = random.Random(0)
     lengths = list(range(40, 240))
     rng.shuffle(lengths)

@@ -115,7 +115,7 @@ class TorchPagedAttention(AttentionBackend):
             if plan.all_rows:
                 out.copy_(result)
             else:
-                out.index_copy_(0, plan.rows, result)
+                out.index_copy_(0, plan.rows, result.to(out.dtype))
         return out
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -149,17 +149,20 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: fl
     n, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[-2]
     group = num_heads // num_kv_heads
-    queries = q.view(n, num_kv_heads, group, head_dim)
+    # Partial results stay float32 until the merged one is rounded once, so a context split into a
+    # shared run and a suffix (prefix caching on) rounds exactly like the whole context read in one
+    # pass (caching off): in bfloat16 a second rounding flips greedy tokens.
+    queries = q.view(n, num_kv_heads, group, head_dim).float()
 
     if kernel is not None:
         out, lse = kernel(queries, kv_cache, plan.suffix_tables, plan.suffix_lens, scale)
     else:
         keys, values = gather(kv_cache, plan.suffix_tables.view(-1))
-        keys = keys.view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-        values = values.view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        keys = keys.view(n, -1, num_kv_heads, head_dim).transpose(1, 2).float()
+        values = values.view(n, -1, num_kv_heads, head_dim).transpose(1, 2).float()
         bias = None
         if plan.suffix_padded:
-            bias = torch.zeros(plan.suffix_padding.shape, dtype=q.dtype, device=q.device)
+            bias = torch.zeros(plan.suffix_padding.shape, dtype=torch.float32, device=q.device)
             bias.masked_fill_(plan.suffix_padding, float("-inf"))
         out, lse = attention_with_lse(queries, keys, values, bias, scale)  # [N, KVH, G, D], [N, KVH, G]
 
@@ -173,14 +176,14 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: fl
             run_out, run_lse = kernel(stacked, kv_cache, run.blocks[None], run_lens, scale)
         else:
             run_keys, run_values = gather(kv_cache, run.blocks)
-            run_keys, run_values = run_keys.transpose(0, 1)[None], run_values.transpose(0, 1)[None]
+            run_keys, run_values = run_keys.transpose(0, 1)[None].float(), run_values.transpose(0, 1)[None].float()
             run_out, run_lse = attention_with_lse(stacked, run_keys, run_values, None, scale)
-        run_out = run_out.view(num_kv_heads, m, group, head_dim).transpose(0, 1).float()
+        run_out = run_out.view(num_kv_heads, m, group, head_dim).transpose(0, 1)
         run_lse = run_lse.view(num_kv_heads, m, group).transpose(0, 1)
-        own_out, own_lse = out.index_select(0, members).float(), lse.index_select(0, members)
+        own_out, own_lse = out.index_select(0, members), lse.index_select(0, members)
         both = torch.logaddexp(own_lse, run_lse)
         merged = (own_out * (own_lse - both).exp().unsqueeze(-1) + run_out * (run_lse - both).exp().unsqueeze(-1))
-        out.index_copy_(0, members, merged.to(out.dtype))
+        out.index_copy_(0, members, merged)
     return out.reshape(n, num_heads, head_dim)
 
 
@@ -208,8 +211,11 @@ def reference_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
             scale: float) -> torch.Tensor:
-    """One sequence: q [Lq, H, D] over k/v [Lk, KVH, D]; causal when visible is None (Lq == Lk)."""
+    """One sequence: q [Lq, H, D] over k/v [Lk, KVH, D]; causal when visible is None (Lq == Lk).
+    In float32 whatever the pool's dtype, like the decode path, so a token's output does not depend
+    on whether it ran alone (decode) or in a chunk; the caller rounds it once."""
     result = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-        attn_mask=visible, is_causal=visible is None, scale=scale, enable_gqa=True)
+        q.transpose(0, 1).unsqueeze(0).float(), k.transpose(0, 1).unsqueeze(0).float(),
+        v.transpose(0, 1).unsqueeze(0).float(), attn_mask=visible, is_causal=visible is None, scale=scale,
+        enable_gqa=True)
     return result[0].transpose(0, 1)

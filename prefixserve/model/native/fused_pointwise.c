@@ -11,9 +11,15 @@
  *   silu_and_mul:  out = silu(gate) * up, gate and up the two halves of each row of the fused projection
  *
  * Rows are split among `threads` OpenMP threads; a call too small to pay for waking them runs on one.
+ *
+ * The *_bf16 variants take and return bfloat16 (as uint16_t bits) and compute in float32. The norms round
+ * where the torch path and HF do (the normalised value, then its product with the weight); rotation
+ * and gating round once, at the end. A row's result never depends on the other rows of the call, so
+ * a token computes the same bits in any batch (prefix caching on and off agree exactly).
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdint.h>
 
 #define PARALLEL_MIN_FLOATS 16384
 
@@ -128,6 +134,100 @@ void silu_and_mul(const float* gate_up, float* out, long rows, long n, int threa
             __m256 x = _mm256_loadu_ps(g + i);
             __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), x))));
             _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ bfloat16 */
+
+static inline __m256 load_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+/* round to nearest even, as torch's float -> bfloat16 conversion (finite values) */
+static inline __m256 round_bf16(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline void store_bf16(uint16_t* p, __m256 v) {
+    __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
+    /* packus works within 128-bit lanes: [a0..a3 a0..a3 | a4..a7 a4..a7] -> a0..a7 in the low half */
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(hi, hi), 0xD8);
+    _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+}
+
+static inline float inv_rms_bf16(const uint16_t* x, long n, float eps) {
+    __m256 a0 = _mm256_setzero_ps();
+    for (long i = 0; i < n; i += 8) {
+        __m256 u = load_bf16(x + i);
+        a0 = _mm256_fmadd_ps(u, u, a0);
+    }
+    return 1.0f / sqrtf(hsum(a0) / (float)n + eps);
+}
+
+void add_rms_norm_bf16(uint16_t* residual, const uint16_t* delta, const uint16_t* weight, float eps,
+                       uint16_t* out, long rows, long n, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= PARALLEL_MIN_FLOATS)
+    for (long t = 0; t < rows; t++) {
+        uint16_t* x = residual + t * n;
+        if (delta != 0) {
+            const uint16_t* d = delta + t * n;
+            for (long i = 0; i < n; i += 8)
+                store_bf16(x + i, _mm256_add_ps(load_bf16(x + i), load_bf16(d + i)));
+        }
+        __m256 r = _mm256_set1_ps(inv_rms_bf16(x, n, eps));
+        uint16_t* y = out + t * n;
+        for (long i = 0; i < n; i += 8)
+            store_bf16(y + i, _mm256_mul_ps(round_bf16(_mm256_mul_ps(load_bf16(x + i), r)), load_bf16(weight + i)));
+    }
+}
+
+static inline void norm_rotate_bf16(const uint16_t* src, uint16_t* dst, const uint16_t* weight, float eps,
+                                    const uint16_t* cos, const uint16_t* sin, long d) {
+    const long half = d / 2;
+    __m256 r = _mm256_set1_ps(weight != 0 ? inv_rms_bf16(src, d, eps) : 1.0f);
+    for (long i = 0; i < half; i += 8) {
+        __m256 x1 = load_bf16(src + i), x2 = load_bf16(src + half + i);
+        if (weight != 0) {
+            x1 = round_bf16(_mm256_mul_ps(round_bf16(_mm256_mul_ps(x1, r)), load_bf16(weight + i)));
+            x2 = round_bf16(_mm256_mul_ps(round_bf16(_mm256_mul_ps(x2, r)), load_bf16(weight + half + i)));
+        }
+        __m256 c = load_bf16(cos + i), s = load_bf16(sin + i);
+        store_bf16(dst + i, _mm256_fmsub_ps(x1, c, _mm256_mul_ps(x2, s)));
+        store_bf16(dst + half + i, _mm256_fmadd_ps(x2, c, _mm256_mul_ps(x1, s)));
+    }
+}
+
+void qk_norm_rope_bf16(const uint16_t* qkv, long row_stride, long q_heads, long k_heads, long d,
+                       const uint16_t* q_weight, const uint16_t* k_weight, float eps, const uint16_t* cos,
+                       const uint16_t* sin, uint16_t* q_out, uint16_t* k_out, long rows, int threads) {
+    const long heads = q_heads + k_heads;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads * d >= PARALLEL_MIN_FLOATS)
+    for (long t = 0; t < rows; t++) {
+        const uint16_t* src = qkv + t * row_stride;
+        const uint16_t* c = cos + t * (d / 2);
+        const uint16_t* s = sin + t * (d / 2);
+        for (long h = 0; h < q_heads; h++)
+            norm_rotate_bf16(src + h * d, q_out + (t * q_heads + h) * d, q_weight, eps, c, s, d);
+        for (long h = 0; h < k_heads; h++)
+            norm_rotate_bf16(src + (q_heads + h) * d, k_out + (t * k_heads + h) * d, k_weight, eps, c, s, d);
+    }
+}
+
+void silu_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, long rows, long n, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= PARALLEL_MIN_FLOATS)
+    for (long t = 0; t < rows; t++) {
+        const uint16_t* g = gate_up + t * 2 * n;
+        const uint16_t* u = g + n;
+        uint16_t* y = out + t * n;
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (long i = 0; i < n; i += 8) {
+            __m256 x = load_bf16(g + i);
+            __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+            store_bf16(y + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), load_bf16(u + i)));
         }
     }
 }

@@ -1,8 +1,9 @@
 """The decoder layer's pointwise work in one pass each (`fused_pointwise.c`): residual add + RMSNorm,
 per-head q/k norm + rotary embedding, SiLU-gated product.
 
-Used by `model/layers.py` and `model/decoder.py` for float32 CPU tensors; the torch
-operators they replace take several passes over memory each (rotary embedding: seven).
+Used by `model/layers.py` and `model/decoder.py` for float32 and bfloat16 CPU tensors; the torch
+operators they replace take several passes over memory each (rotary embedding: seven), and in
+bfloat16 each of those also converts to float32 and back.
 """
 from __future__ import annotations
 
@@ -32,14 +33,25 @@ class FusedPointwise:
                                         _float_p, _float_p, _float_p, _float_p, _long, _int])
         self._silu_and_mul = library.silu_and_mul
         self._silu_and_mul.argtypes = [_float_p, _float_p, _long, _long, _int]
-        for fn in (self._add_rms_norm, self._qk_norm_rope, self._silu_and_mul):
+        # the same signatures over bfloat16 bits (pointers are untyped here)
+        self._bf16 = {name: getattr(library, name + "_bf16") for name in ("add_rms_norm", "qk_norm_rope",
+                                                                          "silu_and_mul")}
+        for name, fn in self._bf16.items():
+            fn.argtypes = getattr(library, name).argtypes
+        for fn in (self._add_rms_norm, self._qk_norm_rope, self._silu_and_mul, *self._bf16.values()):
             fn.restype = None
+
+    def _fn(self, name: str, dtype: torch.dtype):
+        return self._bf16[name] if dtype == torch.bfloat16 else getattr(self, "_" + name)
 
     @staticmethod
     def supports(*tensors: torch.Tensor | None, multiple: int = 8) -> bool:
-        """Every tensor given is float32 on the CPU with contiguous rows whose width is a multiple of `multiple`."""
-        return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() >= 1
-                                 and t.stride(-1) == 1 and t.shape[-1] % multiple == 0) for t in tensors)
+        """Every tensor given is on the CPU with contiguous rows whose width is a multiple of `multiple`, and
+        all are float32 or all bfloat16."""
+        dtypes = {t.dtype for t in tensors if t is not None}
+        return (len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16}
+                and all(t is None or (t.device.type == "cpu" and t.dim() >= 1 and t.stride(-1) == 1
+                                      and t.shape[-1] % multiple == 0) for t in tensors))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -52,7 +64,7 @@ class FusedPointwise:
         if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
             raise ValueError(f"rms_norm: residual {tuple(residual.shape)} must be contiguous, shaped like x")
         out = torch.empty_like(x)
-        self._add_rms_norm(target.data_ptr(), _ptr(None if residual is None else x), weight.data_ptr(), eps,
+        self._fn("add_rms_norm", x.dtype)(target.data_ptr(), _ptr(None if residual is None else x), weight.data_ptr(), eps,
                            out.data_ptr(), x.numel() // n, n, torch.get_num_threads())
         return out
 
@@ -67,10 +79,10 @@ class FusedPointwise:
                 or head_dim % 16 or (q_weight is None) != (k_weight is None)):
             raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)} does not hold {q_heads} + {k_heads} heads "
                              f"of {head_dim} (a multiple of 16) in contiguous rows")
-        cos, sin = cos.reshape(tokens, half).contiguous(), sin.reshape(tokens, half).contiguous()
+        cos, sin = (t.reshape(tokens, half).to(qkv.dtype).contiguous() for t in (cos, sin))
         q = qkv.new_empty(tokens, q_heads, head_dim)
         k = qkv.new_empty(tokens, k_heads, head_dim)
-        self._qk_norm_rope(qkv.data_ptr(), qkv.stride(0), q_heads, k_heads, head_dim, _ptr(q_weight),
+        self._fn("qk_norm_rope", qkv.dtype)(qkv.data_ptr(), qkv.stride(0), q_heads, k_heads, head_dim, _ptr(q_weight),
                            _ptr(k_weight), eps, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
                            tokens, torch.get_num_threads())
         return q, k
@@ -81,7 +93,7 @@ class FusedPointwise:
             raise ValueError(f"silu_and_mul: gate_up {tuple(gate_up.shape)} must be contiguous [T, 2 I], I % 8 == 0")
         tokens, width = gate_up.shape
         out = gate_up.new_empty(tokens, width // 2)
-        self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), tokens, width // 2, torch.get_num_threads())
+        self._fn("silu_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), tokens, width // 2, torch.get_num_threads())
         return out
 
 
@@ -92,8 +104,15 @@ def _agrees_with_torch(kernel: FusedPointwise) -> bool:
     normed = kernel.rms_norm(x, w, 1e-6, residual.clone())
     gate_up = torch.randn(3, 32, generator=gen) * 4
     gate, up = gate_up.chunk(2, dim=-1)
+    bf16 = [t.bfloat16() for t in (x, residual, w, gate_up)]
+    normed_bf16 = kernel.rms_norm(bf16[0], bf16[2], 1e-6, bf16[1].clone()).float()
+    gate_bf16, up_bf16 = bf16[3].float().chunk(2, dim=-1)
     return (torch.allclose(normed, torch.nn.functional.rms_norm(want_residual, (16,), w, 1e-6), atol=1e-5)
-            and torch.allclose(kernel.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5))
+            and torch.allclose(kernel.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, atol=1e-5)
+            and torch.allclose(normed_bf16, torch.nn.functional.rms_norm(bf16[0].float() + bf16[1].float(), (16,),
+                                                                         bf16[2].float(), 1e-6), rtol=2e-2, atol=2e-2)
+            and torch.allclose(kernel.silu_and_mul(bf16[3]).float(), torch.nn.functional.silu(gate_bf16) * up_bf16,
+                               rtol=1e-2, atol=1e-2))
 
 
 def load(cc: str | None, out_dir: Path) -> FusedPointwise | None:

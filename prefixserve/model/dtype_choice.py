@@ -1,0 +1,92 @@
+"""What dtype="auto" means: bfloat16 where the CPU multiplies it faster, float32 elsewhere.
+
+With AMX, oneDNN runs bfloat16 matmuls about 6x faster than float32 (1.2-2.1 vs 0.26-0.34
+TFLOP/s on an Intel Xeon of this project) and decode reads half the bytes. avx512_bf16 alone
+says little: an AMD EPYC ran bfloat16 matmuls 2.3-2.8x faster than float32, while an Intel
+Xeon VM whose hypervisor withholds AMX ran them at 0.55x (149 vs 253 GFLOP/s, 2026-12-01). So
+without AMX, auto times one matmul in both dtypes at start (a few tens of ms) and takes
+bfloat16 only when it is clearly faster. Without either feature every bfloat16 product is
+widened to float32 on the fly: float32. Off the CPU, auto keeps the checkpoint's own dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import time
+
+import torch
+
+AUTO = "auto"
+# bfloat16 also costs accuracy: take it only for a clear gain
+MIN_BF16_SPEEDUP = 1.25
+
+
+@dataclass(frozen=True)
+class CpuBf16Support:
+    """The CPU features that make bfloat16 fast, as torch (and so oneDNN) sees them."""
+    amx_bf16: bool
+    avx512_bf16: bool
+    # float32 over bfloat16 matmul time, measured only with avx512_bf16 and no AMX
+    bf16_speedup: Optional[float] = None
+
+    @classmethod
+    def detect(cls) -> "CpuBf16Support":
+        # torch asks the CPU and, for AMX, the OS (which must grant the tile state), so a feature
+        # listed in /proc/cpuinfo but withheld by a hypervisor counts as absent, as it is for oneDNN.
+        amx, avx512_bf16 = _probe("_is_amx_tile_supported"), _probe("_is_avx512_bf16_supported")
+        speedup = measure_bf16_speedup() if avx512_bf16 and not amx else None
+        return cls(amx_bf16=amx, avx512_bf16=avx512_bf16, bf16_speedup=speedup)
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    requested: str
+    # "float32", "bfloat16", "float16", or None: the checkpoint's own dtype (auto off the CPU)
+    dtype: Optional[str]
+    reason: str
+
+
+def choose_dtype(requested: str, device: torch.device,
+                 support: Optional[CpuBf16Support] = None) -> DtypeChoice:
+    """Resolves the engine's dtype setting; an explicit dtype always wins."""
+    if requested != AUTO:
+        return DtypeChoice(requested, requested, "asked for explicitly")
+    if device.type != "cpu":
+        return DtypeChoice(requested, None, f"auto on {device.type}: the checkpoint's own dtype")
+    support = support or CpuBf16Support.detect()
+    if support.amx_bf16:
+        return DtypeChoice(requested, "bfloat16", "auto: the CPU has AMX (bfloat16 tiles)")
+    if support.avx512_bf16:
+        speedup = support.bf16_speedup
+        if speedup is None:
+            raise ValueError("CpuBf16Support with avx512_bf16 and no AMX needs bf16_speedup")
+        if speedup >= MIN_BF16_SPEEDUP:
+            return DtypeChoice(requested, "bfloat16",
+                               f"auto: the CPU has avx512_bf16 and multiplies bfloat16 {speedup:.2f}x faster")
+        return DtypeChoice(requested, "float32", f"auto: the CPU has avx512_bf16 but no AMX, and multiplies "
+                                                 f"bfloat16 only {speedup:.2f}x as fast as float32")
+    return DtypeChoice(requested, "float32", "auto: the CPU has neither AMX nor avx512_bf16")
+
+
+def measure_bf16_speedup(rounds: int = 5) -> float:
+    """float32 time over bfloat16 time of a 256 x 1024 x 1024 matmul (a prefill chunk's shape),
+    best of `rounds` each, after a warm-up that builds oneDNN's primitives."""
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(256, 1024, generator=generator), torch.randn(1024, 1024, generator=generator)
+
+    def best(x: torch.Tensor, y: torch.Tensor) -> float:
+        torch.mm(x, y)
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            torch.mm(x, y)
+            times.append(time.perf_counter() - start)
+        return min(times)
+    return best(a, b) / best(a.bfloat16(), b.bfloat16())
+
+
+def _probe(name: str) -> bool:
+    # Private torch probes; a torch without one cannot use the feature either.
+    probe = getattr(torch.cpu, name, None)
+    return bool(probe()) if probe is not None else False
