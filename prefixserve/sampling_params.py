@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from prefixserve.errors import InvalidRequestError
+from prefixserve.structured.spec import StructuredOutput
 
 # Integers reach torch as int64 and native kernels as int32: anything larger is a client mistake.
 MAX_INT = 2**31 - 1
@@ -40,6 +41,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: Optional[int] = None  # None: none; k >= 0: sampled token plus the k most likely
     skip_special_tokens: bool = True
+    # A grammar the output must match (response_format, tool calls); None: unconstrained.
+    structured: Optional[StructuredOutput] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +78,13 @@ class SamplingParams:
             _check_int("stop_token_ids", t, low=0, high=MAX_INT)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=20)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidRequestError("structured must be a StructuredOutput", param="structured")
+        if self.structured is not None and (self.ignore_eos or self.min_tokens):
+            # the grammar decides where the output ends: nothing may be sampled after that
+            raise InvalidRequestError("ignore_eos and min_tokens cannot be combined with a grammar "
+                                      "(response_format or a forced tool call)",
+                                      param="ignore_eos" if self.ignore_eos else "min_tokens")
 
     @property
     def greedy(self) -> bool:

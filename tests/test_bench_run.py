@@ -64,8 +64,8 @@ def test_exported_checkpoint_holds_the_random_models_weights(results) -> None:
     folder = checkpoint_folder("random:qwen3-tiny", "float32", 0, results.config.cache_dir)
     prompt = {"prompt_token_ids": list(range(100, 140))}
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    from_folder = LLM(str(folder)).generate(prompt, params)[0].outputs[0].token_ids
-    from_preset = LLM("random:qwen3-tiny").generate(prompt, params)[0].outputs[0].token_ids
+    from_folder = LLM(str(folder), dtype="float32").generate(prompt, params)[0].outputs[0].token_ids
+    from_preset = LLM("random:qwen3-tiny", dtype="float32").generate(prompt, params)[0].outputs[0].token_ids
     assert from_folder == from_preset
 
 

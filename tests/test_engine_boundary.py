@@ -16,6 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "prefixserve"
 FORBIDDEN = ("prefixserve.kv", "prefixserve.scheduler", "prefixserve.worker", "prefixserve.model")
 MODULES = sorted((ROOT / "entrypoints").rglob("*.py")) + [ROOT / "benchmarks" / "engines" / "prefixserve_engine.py"]
+# The replicas drive engines too (the router and its index may use kv's hasher and events).
+MODULES += [ROOT / "replicas" / f"{name}.py" for name in ("deployment", "front", "service", "args", "metrics")]
 
 
 def imported_names(path: Path) -> list[tuple[int, str]]:

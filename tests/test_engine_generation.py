@@ -33,7 +33,8 @@ def random_prompts(n: int, lengths: list[int], vocab: int, seed: int) -> list[li
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_greedy_generation_matches_hf(tiny_checkpoints, arch):
     path = tiny_checkpoints[arch]
-    llm = LLM(str(path), block_size=16, num_kv_blocks=64, max_num_batched_tokens=64)
+    # float32 as the oracle: exact greedy equality over 12 tokens holds only at the same precision
+    llm = LLM(str(path), dtype="float32", block_size=16, num_kv_blocks=64, max_num_batched_tokens=64)
     prompts = random_prompts(4, [5, 17, 40, 33], vocab=1000, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)

@@ -8,6 +8,7 @@ from rich.console import Console
 
 from prefixserve.benchmarks.checkpoint import DEFAULT_CACHE_DIR
 from prefixserve.benchmarks.engines import ENGINE_NAMES
+from prefixserve.benchmarks.kv_store_bench import STORE_WORKLOADS
 from prefixserve.benchmarks.workloads import WORKLOAD_NAMES
 
 
@@ -19,8 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="random:qwen3-0.6b",
                    help="random:<preset> or a local HF checkpoint folder (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--workload", action="append", choices=WORKLOAD_NAMES, metavar="NAME",
-                   help=f"repeatable; default: all of {', '.join(WORKLOAD_NAMES)}")
+    p.add_argument("--workload", action="append", choices=WORKLOAD_NAMES + STORE_WORKLOADS, metavar="NAME",
+                   help=f"repeatable; default: all of {', '.join(WORKLOAD_NAMES)}; the KV store workloads "
+                        f"{', '.join(STORE_WORKLOADS)} run only when named (prefixserve/benchmarks/kv_store_bench.py)")
     p.add_argument("--engine", action="append", choices=ENGINE_NAMES, metavar="NAME",
                    help=f"repeatable; default: all of {', '.join(ENGINE_NAMES)}")
     p.add_argument("--quick", action="store_true", help="small workloads (a few minutes on 2 cores)")
@@ -40,6 +42,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
+    store_workloads = tuple(w for w in args.workload or () if w in STORE_WORKLOADS)
+    if store_workloads:
+        return _run_store_workloads(args, store_workloads,
+                                    tuple(w for w in args.workload if w not in STORE_WORKLOADS))
     workloads = tuple(args.workload or WORKLOAD_NAMES)
     if args.online:
         return _run_online(args, workloads, console)
@@ -59,6 +65,28 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         for path in write_plots(results, args.plot):
             console.print(f"wrote {path}")
+    return 0
+
+
+def _run_store_workloads(args: argparse.Namespace, store_workloads: tuple[str, ...],
+                         others: tuple[str, ...]) -> int:
+    import json
+
+    from prefixserve.benchmarks.kv_store_bench import StoreBenchConfig, run_store_benchmarks
+    if others or args.online:
+        raise ValueError(f"run the KV store workloads ({', '.join(store_workloads)}) on their own, "
+                         "offline: each starts its own engines and processes")
+    config = StoreBenchConfig(model=args.model, dtype=args.dtype, quick=args.quick, threads=args.threads,
+                              seed=args.seed, workdir=args.cache_dir)
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    text, data = run_store_benchmarks(config, store_workloads)
+    print(text)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text + "\n")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=1, default=str) + "\n")
     return 0
 
 

@@ -177,6 +177,37 @@ def multi_turn(quick: bool, seed: int = 4) -> Workload:
                     "each turn waits for the previous one", seed, tuple(rounds))
 
 
+def agent(quick: bool, seed: int = 8) -> Workload:
+    """Concurrent agent loops: one system prompt and tool list shared by all, then per loop a task
+    and, turn after turn, a scripted tool call and its result appended to its private history.
+
+    Calls and results are scripted (every engine sees the same prompts); each turn's prompt extends
+    the loop's previous one, as an append-only agent's does.
+    """
+    rng = random.Random(seed)
+    loops, turns, sys_len, tools_len, task_len, call_len, result_len, out = (
+        (2, 3, 96, 64, 16, 12, 24, 4) if quick else (4, 6, 256, 256, 32, 24, 64, 16))
+    shared = _tokens(rng, sys_len + tools_len)
+    histories = [shared + _tokens(rng, task_len) for _ in range(loops)]
+    previous = [len(shared)] * loops
+    rounds = []
+    for t in range(turns):
+        rnd = []
+        for c in range(loops):
+            prompt = histories[c]
+            # the next turn extends this prompt; the last turn shares the previous one
+            reuse = len(prompt) - 1 if t < turns - 1 else previous[c]
+            rnd.append(BenchRequest(f"agent{c}-turn{t}", prompt, out, shared_prefix_len=reuse))
+            previous[c] = len(prompt)
+            histories[c] = prompt + _tokens(rng, call_len) + _tokens(rng, result_len)
+        rounds.append(tuple(rnd))
+    return Workload("agent", f"{loops} agent loops x {turns} turns on one shared {sys_len}-token system "
+                    f"prompt + {tools_len}-token tool list; each turn appends a {call_len}-token tool call "
+                    f"and a {result_len}-token result to the loop's history, {out} output tokens; "
+                    "each turn waits for the previous one", seed, tuple(rounds),
+                    notes={"loops": loops, "turns": turns})
+
+
 def prefix_repetition(quick: bool, seed: int = 5) -> Workload:
     rng = random.Random(seed)
     n_prefix, m_suffix, prefix_len, suffix_len, out = (2, 2, 128, 16, 4) if quick else (3, 4, 256, 32, 16)
@@ -228,6 +259,7 @@ BUILDERS: dict[str, Callable[[bool], Workload]] = {
     "long-doc-qa": long_doc_qa,
     **{f"long-doc-qa-{o}": (lambda quick, o=o: long_doc_qa_order(o, quick)) for o in LONG_DOC_ORDERS},
     "multi-turn": multi_turn,
+    "agent": agent,
     "prefix-repetition": prefix_repetition,
     "no-sharing": no_sharing,
     "tenants": tenants,

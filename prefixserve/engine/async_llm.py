@@ -275,6 +275,14 @@ class AsyncLLM:
         return await self.run_in_engine(lambda e: e.pin_prefix(
             token_ids, cache_salt=cache_salt, num_tokens=num_tokens, ttl_s=ttl_s, shorten=shorten))
 
+    async def kv_snapshot(self) -> list[bytes]:
+        """See LLMEngine.kv_snapshot."""
+        return await self.run_in_engine(lambda engine: engine.kv_snapshot())
+
+    async def kv_events(self):
+        """See LLMEngine.kv_events (a KVEventBatch)."""
+        return await self.run_in_engine(lambda engine: engine.kv_events())
+
     async def unpin(self, pin_id: str) -> bool:
         return await self.run_in_engine(lambda e: e.unpin(pin_id))
 
@@ -370,6 +378,11 @@ class AsyncLLM:
         # Leave the engine empty (every block free) for whoever uses it next.
         self._fail_all_in_engine(EngineDeadError(reason))
         self._die(reason)
+        if self._stopping:
+            try:
+                self.engine.close()   # a clean stop: the cache goes to the persistent KV stores
+            except Exception:
+                logger.exception("flushing the KV stores at shutdown failed")
 
     def _step(self) -> None:
         try:

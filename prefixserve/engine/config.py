@@ -11,13 +11,16 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # form is checked here (no torch import); the engine checks at start that the device exists.
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 _DEVICE = re.compile(r"(?P<type>[a-z]+)(:(0|[1-9][0-9]*))?")
+KV_STORE_WRITES = ("back", "through")
 _BACKEND_NAME = re.compile(r"[a-z0-9][a-z0-9_\-]*")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "random:qwen3-tiny"
-    dtype: str = "auto"  # auto: float32 on CPU
+    # auto: bfloat16 on a CPU with AMX, or with avx512_bf16 where a bfloat16 matmul is measured
+    # clearly faster; float32 on other CPUs (model/dtype_choice.py)
+    dtype: str = "auto"
     device: str = "cpu"
     # A registered attention backend's name, or "auto": the fastest one for the device and dtype.
     attention_backend: str = "auto"
@@ -36,6 +39,13 @@ class EngineConfig:
     max_waiting: Optional[int] = None
     # Share of the KV pool that explicit pins may hold, so pins cannot starve live requests.
     max_pinned_fraction: float = 0.5
+    # KV stores beneath the pool, fastest first (docs/kv-stores.md): mem://?size=8GiB,
+    # file:///dir?size=100GiB, redis://host:6379/0. A list is taken and kept as a tuple.
+    kv_stores: tuple = ()
+    # "back": blocks are written when the pool evicts them; "through": once computed.
+    kv_store_write: str = "back"
+    # Bytes of blocks waiting for the background writer; beyond it blocks are dropped.
+    kv_store_queue_bytes: int = 256 * 1024**2
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -57,6 +67,21 @@ class EngineConfig:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        _check_kv_stores(self)
+
+
+def _check_kv_stores(config: EngineConfig) -> None:
+    from prefixserve.kv.stores.url import parse_store_url
+
+    stores = config.kv_stores
+    if isinstance(stores, str) or not isinstance(stores, (list, tuple)):
+        raise ValueError(f"kv_stores must be a list of store URLs, got {stores!r}")
+    object.__setattr__(config, "kv_stores", tuple(stores))
+    for url in config.kv_stores:
+        parse_store_url(url)
+    if config.kv_store_write not in KV_STORE_WRITES:
+        raise ValueError(f"kv_store_write must be one of {KV_STORE_WRITES}, got {config.kv_store_write!r}")
+    _positive("kv_store_queue_bytes", config.kv_store_queue_bytes)
 
 
 def _positive(name: str, value: object) -> None:

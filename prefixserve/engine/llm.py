@@ -89,3 +89,13 @@ class LLM:
 
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Flushes the cache to the persistent KV stores and closes them (see LLMEngine.close)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
@@ -16,15 +17,20 @@ import torch
 
 from prefixserve.engine.cached_contents import CachedContent, CachedContentStore
 from prefixserve.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from prefixserve.engine.kv_store_bridge import KVStoreBridge
 from prefixserve.engine.outputs import (CachePin, CompletionOutput, EngineInfo, EngineStats, PinInfo,
                                        PinResult, RequestMetrics, RequestOutput)
 from prefixserve.errors import (ConflictError, DuplicateRequestError, InvalidRequestError,
                                 NotFoundError, PinLimitError)
 from prefixserve.kv import KVCacheConfig, KVCacheManager
+from prefixserve.kv.events import KVEventBatch, KVEventLog
 from prefixserve.model.config import dtype_name
+from prefixserve.model.dtype_choice import choose_dtype
 from prefixserve.model.loader import load_model
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, child_request_id
+from prefixserve.structured.constraint import Constraint
+from prefixserve.structured.grammar import GrammarCompiler
 from prefixserve.tokenizer import IncrementalDetokenizer, load_tokenizer
 from prefixserve.worker.device import resolve_device
 from prefixserve.worker.model_runner import ModelRunner, num_blocks_for_memory
@@ -49,6 +55,7 @@ class _Sample:
     index: int
     detokenizer: IncrementalDetokenizer
     generator: Optional[torch.Generator]
+    constraint: Optional[Constraint] = None  # the grammar its output must match
     text: str = ""
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: Optional[str] = None
@@ -74,9 +81,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock
-        dtype = None if config.dtype == "auto" else config.dtype
         self.device = resolve_device(config.device)
-        self.loaded = load_model(config.model, dtype=dtype, seed=config.seed, device=self.device,
+        self.dtype_choice = choose_dtype(config.dtype, self.device)
+        self.loaded = load_model(config.model, dtype=self.dtype_choice.dtype, seed=config.seed, device=self.device,
                                  attention_backend=config.attention_backend)
         self.model_config = self.loaded.config
         self.tokenizer = load_tokenizer(config.model)
@@ -109,18 +116,32 @@ class LLMEngine:
         self._sample_to_group: dict[str, str] = {}
         self._requests_finished = 0
         self._contents = CachedContentStore()
+        self._kv_stores: Optional[KVStoreBridge] = None
+        if config.kv_stores:
+            self._kv_stores = KVStoreBridge(
+                config.kv_stores, kv=self.kv, kv_caches=self.runner.kv_caches,
+                model=self.loaded.model, model_config=self.model_config,
+                block_size=config.block_size, hash_algo=config.hash_algo,
+                write_through=config.kv_store_write == "through",
+                max_queue_bytes=config.kv_store_queue_bytes)
+            # Clean exits flush the pool to the persistent stores even without close().
+            self._close_stores = weakref.finalize(self, self._kv_stores.close)
+        self._kv_events: Optional[KVEventLog] = None  # started by the first kv_snapshot()
         # After a failed forward its requests re-run in groups, front group first, until the one
         # that fails alone is found; strikes count each request's failed steps since it last
         # completed one, a backstop should groups keep failing without the search converging.
         self._probes: deque[list[str]] = deque()
         self._strikes: dict[str, int] = {}
         self._step_failures: dict[str, str] = {}
+        self._grammars: Optional[GrammarCompiler] = None  # built on the first structured request
         self.info = EngineInfo(
             model=config.model, model_identity=self.loaded.identity,
-            dtype=dtype_name(next(self.loaded.model.parameters()).dtype),
+            dtype=dtype_name(next(self.loaded.model.parameters()).dtype), dtype_reason=self.dtype_choice.reason,
             device=str(next(self.loaded.model.parameters()).device), block_size=config.block_size,
             max_model_len=self.max_model_len, num_kv_blocks=num_blocks,
-            enable_prefix_caching=config.enable_prefix_caching, kernels=self.runner.kernels)
+            enable_prefix_caching=config.enable_prefix_caching, kernels=self.runner.kernels,
+            kv_store_scope=self.kv_store_scope or "")
+        logger.info("dtype %s (%s)", self.info.dtype, self.info.dtype_reason)
 
     def _default_num_blocks(self) -> int:
         budget = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
@@ -173,6 +194,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._groups:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        # compiled before anything is queued: a grammar that cannot be compiled refuses the request
+        constraint = self._constraint_of(params)
         text, token_ids, dict_salt = self.tokenize_prompt(prompt)
         salt = cache_salt if cache_salt is not None else dict_salt
         if params.max_tokens is not None:
@@ -197,11 +220,20 @@ class LLMEngine:
         self.scheduler.add_request(req)
         group = _Group(request_id, text, token_ids, params, salt, req.arrival_time,
                        cache_pins=tuple(cache_pins))
-        group.samples[request_id] = self._new_sample(group, 0, params.seed)
+        group.samples[request_id] = self._new_sample(group, 0, params.seed, constraint)
         self._groups[request_id] = group
         self._sample_to_group[request_id] = request_id
 
-    def _new_sample(self, group: _Group, index: int, seed: Optional[int]) -> _Sample:
+    def _constraint_of(self, params: SamplingParams) -> Optional[Constraint]:
+        if params.structured is None:
+            return None
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.tokenizer.vocab_size,
+                                             sorted(self.tokenizer.eos_token_ids))
+        return self._grammars.constraint(params.structured)
+
+    def _new_sample(self, group: _Group, index: int, seed: Optional[int],
+                    constraint: Optional[Constraint] = None) -> _Sample:
         generator = None
         if seed is not None:
             # Each sample of a seeded request gets its own stream, fixed by (seed, index).
@@ -209,7 +241,8 @@ class LLMEngine:
             generator = torch.Generator(device=self.device).manual_seed(derived)
         detok = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids,
                                        skip_special_tokens=group.params.skip_special_tokens)
-        return _Sample(index=index, detokenizer=detok, generator=generator)
+        return _Sample(index=index, detokenizer=detok, generator=generator,
+                       constraint=constraint or self._constraint_of(group.params))
 
     def abort_request(self, request_ids: Union[str, Sequence[str]]) -> None:
         """Aborts requests (all their samples); every block they held is freed at once."""
@@ -247,18 +280,28 @@ class LLMEngine:
         steps, and only a request that fails alone is ended (`last_step_failures`)."""
         self._step_failures = {}
         probe = self._next_probe()
+        stores = self._kv_stores
+        if stores is not None and probe is None:
+            stores.before_schedule(self.scheduler.waiting, self.scheduler.num_running,
+                                   self.config.max_num_batched_tokens)
         plan = self.scheduler.schedule(only=probe)
+        if stores is not None:
+            stores.after_schedule()
         failed: dict[str, str] = {}
         children: dict[str, tuple[str, _Sample]] = {}
         rows, row_owner = self._sampling_rows(plan, failed, children)
         try:
             result = self.runner.execute(plan, rows)
         except Exception as exc:
+            if stores is not None:
+                stores.after_step(ok=False)
             return self._recover(plan, probe is not None, failed, exc)
         except BaseException:
             # Interrupted: undone, so the caller's aborts find every block accounted for.
             self._undo_step(plan)
             raise
+        if stores is not None:
+            stores.after_step(ok=True)
         self._step_passed(plan, probe is not None)
 
         moved: set[str] = set()
@@ -357,6 +400,7 @@ class LLMEngine:
                 output_token_ids=req.output_token_ids,
                 min_tokens_blocked=blocked,
                 generator=sample.generator,
+                constraint=sample.constraint,
             ))
         return rows
 
@@ -616,6 +660,22 @@ class LLMEngine:
         """Drops every pin, every cached content and every cached hash; returns the hashes dropped."""
         return self.kv.reset_prefix_cache()
 
+    def kv_snapshot(self) -> list[bytes]:
+        """Every block hash the pool holds now, and (re)starts the KV event log from this point:
+        a router rebuilds its view of this engine from it, then follows kv_events()."""
+        if self._kv_events is None:
+            self._kv_events = KVEventLog()
+            self.kv.watch(self._kv_events)
+        self._kv_events.restart()
+        return self.kv.cached_hashes()
+
+    def kv_events(self) -> KVEventBatch:
+        """The hashes stored, removed and pinned, and the resets, since the last call; overflowed
+        (take a snapshot) before the first kv_snapshot() or when the consumer fell too far behind."""
+        if self._kv_events is None:
+            return KVEventBatch((), overflowed=True)
+        return self._kv_events.drain()
+
     def pin_prefix(self, token_ids: Sequence[int], *, cache_salt: Optional[str] = None,
                    num_tokens: Optional[int] = None, ttl_s: Optional[float] = None,
                    shorten: bool = False) -> PinInfo:
@@ -699,9 +759,33 @@ class LLMEngine:
             prefix_cache_queries=kv.query_tokens,
             prefix_cache_hits=kv.hit_tokens,
             kv_cache_bytes=self.runner.kv_cache_bytes,
+            dtype=self.info.dtype,
             kernels_active={name: k["active"] for name, k in self.runner.kernels.items()},
             num_seats=sum(group.params.n for group in self._groups.values()),
+            kv_stores=tuple(self._kv_stores.stats()) if self._kv_stores is not None else (),
         )
+
+    @property
+    def kv_store_scope(self) -> Optional[str]:
+        """The key scope of this engine's stored blocks (hex; keys are "<scope>/<block hash
+        hex>"), None without stores: engines with equal scopes can read each other's blocks."""
+        return self._kv_stores.scope.name if self._kv_stores is not None else None
+
+    def kv_stores_hold(self, block_hashes: Sequence[bytes]) -> list[Optional[int]]:
+        """For each block hash (kv's hasher, this engine's model identity), the index in
+        config.kv_stores of the first store holding it, or None: one batched call per store,
+        nothing read, so a router can cost a store hit."""
+        if self._kv_stores is None:
+            return [None] * len(block_hashes)
+        return self._kv_stores.holds(block_hashes)
+
+    def close(self) -> None:
+        """Flushes the pool's cached blocks to the persistent KV stores and closes them (also
+        done when the engine is collected or the interpreter exits). Idempotent; the engine
+        keeps serving from its pool afterwards, without stores."""
+        if self._kv_stores is not None:
+            self._close_stores()
+            self._kv_stores = None
 
 
 def _public_pin(info) -> PinInfo:

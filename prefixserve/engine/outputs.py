@@ -70,6 +70,11 @@ class EngineInfo:
     enable_prefix_caching: bool
     # native CPU kernel -> {"active": bool, "reason": why not, ...} (model/native/report.py)
     kernels: dict = field(default_factory=dict)
+    # why this dtype: "asked for explicitly", or what dtype="auto" found (model/dtype_choice.py)
+    dtype_reason: str = ""
+    # the key scope of its KV stores ("" without stores): engines with equal scopes read each
+    # other's stored blocks (kv/stores/scope.py)
+    kv_store_scope: str = ""
 
 
 @dataclass
@@ -129,11 +134,14 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     kv_cache_bytes: int
+    dtype: str = ""  # weights, activations and KV pool ("auto" resolved)
     # native CPU kernel name -> active (the reasons are in EngineInfo.kernels)
     kernels_active: dict = field(default_factory=dict)
     # sequences the unfinished requests hold or will hold (each request its n): the most
     # that could ever wait at once, preempted ones included
     num_seats: int = 0
+    # one KVStoreStats (kv/stores/stats.py) per configured KV store, fastest first
+    kv_stores: tuple = ()
     extra: dict = field(default_factory=dict)
 
     @property

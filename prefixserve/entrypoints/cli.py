@@ -15,6 +15,7 @@ COMMANDS = (
     "prefixserve.diagnose.cli",
     "prefixserve.entrypoints.serve",
     "prefixserve.benchmarks.cli",
+    "prefixserve.entrypoints.kv_store",
 )
 
 

@@ -11,7 +11,10 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str) -> None
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=default_model,
                    help="local Hugging Face checkpoint folder or random:<preset> (default: %(default)s)")
-    g.add_argument("--dtype", default="auto", choices=DTYPES)
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="auto: bfloat16 on a CPU with AMX, or with avx512_bf16 where it multiplies bfloat16 "
+                        "measurably faster, else float32; the checkpoint's "
+                        "own dtype off the CPU (default: %(default)s)")
     g.add_argument("--device", default="cpu",
                    help=f"torch device to run on: {', '.join(DEVICE_TYPES)}, optionally with an index "
                         "(cuda:1) (default: %(default)s)")
@@ -30,6 +33,12 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str) -> None
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"))
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--kv-store", dest="kv_stores", action="append", default=[], metavar="URL",
+                   help="a KV store beneath the pool, repeatable, fastest first: mem://?size=8GiB, "
+                        "file:///dir?size=100GiB, redis://host:6379/0 (docs/kv-stores.md)")
+    g.add_argument("--kv-store-write", default="back", choices=("back", "through"),
+                   help="write blocks to the stores when the pool evicts them (back) or once "
+                        "computed (through) (default: %(default)s)")
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:

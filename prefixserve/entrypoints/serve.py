@@ -9,6 +9,7 @@ from prefixserve.engine.config import EngineConfig
 from prefixserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from prefixserve.entrypoints.server.auth import KeyTable
 from prefixserve.entrypoints.server.config import ServerConfig
+from prefixserve.replicas.args import add_replica_args, run_replicated, wants_replicas
 
 DEFAULT_MAX_WAITING = ServerConfig.max_waiting
 
@@ -49,8 +50,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="largest request body accepted, in bytes (default: %(default)s)")
     g.add_argument("--max-messages", type=int, default=ServerConfig.max_messages,
                    help="most messages in one chat request (default: %(default)s)")
+    g.add_argument("--offload-body-bytes", type=int, default=ServerConfig.offload_body_bytes,
+                   help="bodies larger than this are parsed and validated in the render process, off the "
+                        "event loop (default: %(default)s)")
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
+    add_replica_args(p)
     p.set_defaults(func=run)
 
 
@@ -69,9 +74,14 @@ def run(args: argparse.Namespace) -> int:
                                  max_waiting=args.max_waiting, retry_after_s=args.retry_after_s,
                                  cache_ttl_scale=args.cache_ttl_scale, keys=keys,
                                  trust_request_chat_template=args.trust_request_chat_template,
-                                 max_body_bytes=args.max_body_bytes, max_messages=args.max_messages)
+                                 max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
+                                 offload_body_bytes=args.offload_body_bytes)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if wants_replicas(args):
+        # Each replica bounds its own queue (429 from there); the front holds no queue.
+        return run_replicated(args, engine_config_from_args(
+            args, max_waiting=None, max_pinned_fraction=args.max_pinned_fraction), server_config)
     # The server bounds the queue itself (and answers 429); the engine stays unbounded behind it.
     engine = LLMEngine(engine_config_from_args(args, max_waiting=None,
                                                max_pinned_fraction=args.max_pinned_fraction))

@@ -1,7 +1,7 @@
 """The pool of physical blocks: states, the hash index and lazy eviction."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 from prefixserve.kv.block import NO_PARENT, Block
 from prefixserve.kv.eviction import EvictionPolicy
@@ -20,6 +20,11 @@ class BlockPool:
         self.policy = policy
         self.index: dict[BlockHash, int] = {}
         self.num_evictions = 0
+        # (block id, hash, parent hash, tokens, extras) of each evicted block, for the KV stores
+        # to copy out before the block is overwritten; None when no store is configured.
+        self.evicted: Optional[list[tuple]] = None
+        # A KVEventLog (kv/events.py) when someone outside watches what this pool holds.
+        self.observer = None
 
     @property
     def num_blocks(self) -> int:
@@ -65,7 +70,11 @@ class BlockPool:
 
     def _evict(self) -> int:
         block_id = self.policy.pop()
-        self._forget(self.blocks[block_id])
+        block = self.blocks[block_id]
+        if self.evicted is not None:
+            self.evicted.append((block_id, block.hash, block.parent_hash, block.tokens,
+                                 block.extras))
+        self._forget(block)
         self.num_evictions += 1
         return block_id
 
@@ -113,6 +122,8 @@ class BlockPool:
         block.parent_gen = parent_gen
         block.parent_hash = parent_hash
         self.index[block_hash] = block_id
+        if self.observer is not None:
+            self.observer.stored(block_hash)
 
     def uncache(self, block_id: int) -> None:
         """Drops a block's hash; a free-cached block becomes free-uncached."""
@@ -124,6 +135,8 @@ class BlockPool:
 
     def _forget(self, block: Block) -> None:
         del self.index[block.hash]
+        if self.observer is not None:
+            self.observer.removed(block.hash)
         block.hash = None
         block.tokens = None
         block.extras = None
@@ -137,4 +150,6 @@ class BlockPool:
         dropped = list(self.index.values())
         for block_id in dropped:
             self.uncache(block_id)
+        if self.observer is not None:
+            self.observer.cleared()
         return len(dropped)

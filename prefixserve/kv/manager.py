@@ -16,12 +16,14 @@ from prefixserve.kv.block import NO_PARENT
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.config import KVCacheConfig
 from prefixserve.kv.eviction import make_policy
-from prefixserve.kv.hashing import (BlockHasher, HashFn, encode_extra_keys, request_extra_keys,
-                                    token_bytes)
+from prefixserve.kv.hashing import (BlockHash, BlockHasher, HashFn, encode_extra_keys,
+                                    request_extra_keys, token_bytes)
 from prefixserve.kv.integrity import check_integrity
 from prefixserve.kv.pins import PinInfo, PinRegistry
 from prefixserve.kv.request_blocks import RequestBlocks
 from prefixserve.kv.stats import KVCacheCounters, KVCacheStats
+from prefixserve.kv.store_lookup import StoreLookup
+from prefixserve.kv.stores.record import BlockMeta
 
 # Lookups hash a prompt in chunks of this many blocks, so a miss early in a long prompt does
 # not pay for serialising all of it.
@@ -49,6 +51,9 @@ class KVCacheManager:
         self._requests: dict[str, RequestBlocks] = {}
         self._counters = KVCacheCounters()
         self._extras: dict[tuple[Optional[str], Optional[str]], tuple[bytes, bytes]] = {}
+        # Blocks registered as computed since the last take_computed(), for write-through KV
+        # stores; None unless they asked (enable_store_journal).
+        self._computed: Optional[list[int]] = None
 
     # ------------------------------------------------------------------ lookup
     def find_cached_prefix(self, request_id: str, token_ids: Sequence[int], *,
@@ -244,6 +249,8 @@ class KVCacheManager:
                     block_id = table[i]
                     pool.register(block_id, block_hash, tok, extras, link, link_gen,
                                   parent_hash)
+                    if self._computed is not None:
+                        self._computed.append(block_id)
                     canon.append(block_id)
                     canon_gen.append(blocks[block_id].gen)
             parent_hash = block_hash
@@ -370,6 +377,8 @@ class KVCacheManager:
         self._pins.check_cap(key)
         for block_id in ids:
             self._pool.share(block_id)
+        if self._pool.observer is not None:
+            self._pool.observer.pinned(self._pool.blocks[b].hash for b in ids)
         return self._pins.add(key, len(ids) * self.block_size, expires_at)
 
     def unpin(self, pin_id: Optional[str]) -> bool:
@@ -418,6 +427,119 @@ class KVCacheManager:
             evictions=pool.num_evictions,
             cow_copies=c.cow_copies,
         )
+
+    def watch(self, log) -> None:
+        """Reports every hash the pool starts or stops holding to log (a KVEventLog), or stops
+        reporting when log is None."""
+        self._pool.observer = log
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash the pool holds now (a KV events snapshot)."""
+        return list(self._pool.index)
+
+    # ------------------------------------------------- stores beneath the pool
+    def enable_store_journal(self, write_through: bool) -> None:
+        """Starts recording evicted blocks (and, write_through, newly computed ones) for the
+        KV stores to copy out (take_evicted, take_computed)."""
+        self._pool.evicted = []
+        self._computed = [] if write_through else None
+
+    def disable_store_journal(self) -> None:
+        self._pool.evicted = None
+        self._computed = None
+
+    def take_evicted(self) -> list[tuple[int, BlockMeta]]:
+        """Blocks evicted since the last call, whose K/V are still in place until the next
+        forward or load writes into them."""
+        evicted, self._pool.evicted = self._pool.evicted or [], []
+        return [(b, BlockMeta(h, parent, tok, extras)) for b, h, parent, tok, extras in evicted]
+
+    def take_computed(self) -> list[tuple[int, BlockMeta]]:
+        """Blocks registered as computed since the last call that still hold their hash."""
+        ids, self._computed = self._computed or [], ([] if self._computed is not None else None)
+        return self._metas(b for b in ids if self._pool.blocks[b].hash is not None)
+
+    def discard_computed(self) -> None:
+        """Forgets the journal of a step whose forward failed (its blocks were never written)."""
+        if self._computed is not None:
+            self._computed = []
+
+    def cached_blocks(self) -> list[tuple[int, BlockMeta]]:
+        """Every block in the hash index with what identifies its content."""
+        return self._metas(self._pool.index.values())
+
+    def _metas(self, ids) -> list[tuple[int, BlockMeta]]:
+        blocks = self._pool.blocks
+        return [(b, BlockMeta(blocks[b].hash, blocks[b].parent_hash, blocks[b].tokens,
+                              blocks[b].extras)) for b in ids]
+
+    def num_available_blocks(self) -> int:
+        return self._pool.num_available
+
+    def store_lookup(self, token_ids: Sequence[int], *, cache_salt: Optional[str] = None,
+                     adapter_key: Optional[str] = None, max_blocks: int) -> StoreLookup:
+        """The pool's hit for token_ids and up to max_blocks blocks after it (never the block
+        holding the last token, which is always computed)."""
+        extras_first, extras_rest = self._encoded_extras(cache_salt, adapter_key)
+        bs = self.block_size
+        limit = (len(token_ids) - 1) // bs
+        found = StoreLookup([], [])
+        if not self.enable_prefix_caching:
+            return found
+        self._walk(token_ids, limit, extras_first, extras_rest, found.prefix_ids, found.prefix_gens)
+        start = len(found.prefix_ids)
+        parent = self._pool.blocks[found.prefix_ids[-1]].hash if start else self.hasher.seed
+        stop = min(limit, start + max(0, max_blocks))
+        for i, (tok, h) in enumerate(self.hasher.iter_chain(
+                parent, token_bytes(token_ids[start * bs:stop * bs]), bs, start,
+                extras_first, extras_rest)):
+            found.candidates.append(
+                BlockMeta(h, parent, tok, extras_first if start + i == 0 else extras_rest))
+            parent = h
+        return found
+
+    def import_blocks(self, lookup: StoreLookup, count: int) -> list[int]:
+        """Allocates blocks for the first `count` candidates of a lookup (their records were
+        verified against them), registers them in the index after the lookup's pool hit and
+        leaves them cached and free, so the request's own lookup finds them. Returns their
+        ids, in chain order: the caller writes their K/V before the next forward. The blocks
+        this evicts are in take_evicted()."""
+        pool = self._pool
+        blocks, index = pool.blocks, pool.index
+        for b, g in zip(lookup.prefix_ids, lookup.prefix_gens):
+            if blocks[b].gen != g:
+                raise ValueError("the lookup is stale: import in the same step as the lookup")
+        held = sum(1 for b in lookup.prefix_ids if blocks[b].ref == 0)
+        count = max(0, min(count, len(lookup.candidates), pool.num_available - held))
+        if count == 0:
+            return []
+        # Held while allocating, so making room never evicts the chain being extended.
+        for b in lookup.prefix_ids:
+            pool.share(b)
+        fresh = pool.allocate(count, 0)
+        prev, prev_gen = ((lookup.prefix_ids[-1], blocks[lookup.prefix_ids[-1]].gen)
+                          if lookup.prefix_ids else (NO_PARENT, 0))
+        imported = []
+        for meta, b in zip(lookup.candidates, fresh):
+            existing = index.get(meta.block_hash)
+            if existing is not None:
+                if blocks[existing].ref > 0:
+                    break   # a colliding block in use keeps its place
+                pool.uncache(existing)
+            pool.register(b, meta.block_hash, meta.tokens, meta.extras, prev, prev_gen,
+                          meta.parent_hash)
+            imported.append(b)
+            prev, prev_gen = b, blocks[b].gen
+        # Tail first, as a request's free: under LRU the chain's tail goes before its head.
+        pool.release(reversed(fresh))
+        pool.release(reversed(lookup.prefix_ids))
+        return imported
+
+    def forget_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drops imported blocks from the index again (their K/V could not be written)."""
+        for b in block_ids:
+            if self._pool.blocks[b].hash is not None:
+                self._pool.uncache(b)
 
     def eviction_order(self) -> list[int]:
         """Free-cached blocks, next to be evicted first (for tests and diagnostics)."""

@@ -20,6 +20,8 @@ from typing import Optional, Sequence
 import torch
 
 from prefixserve.sampling_params import SamplingParams
+from prefixserve.structured.constraint import Constraint
+from prefixserve.structured.mask import apply_bitmasks, bitmask_words
 
 
 @dataclass
@@ -30,6 +32,8 @@ class SamplingRow:
     # Token ids masked until min_tokens outputs exist (EOS and stop ids).
     min_tokens_blocked: frozenset[int] = frozenset()
     generator: Optional[torch.Generator] = None
+    # The grammar this row's output must match (structured output, tool calls).
+    constraint: Optional[Constraint] = None
 
 
 @dataclass
@@ -78,6 +82,7 @@ class Sampler:
                     random_rows.append(i)
             except Exception as exc:
                 errors[i] = exc
+        self._apply_constraints(logits, rows, errors)
 
         tokens = torch.argmax(logits, dim=-1)
         if random_rows:
@@ -118,6 +123,27 @@ class Sampler:
                     result.token_ids[i] = -1
             result.errors = errors
         return result
+
+    def _apply_constraints(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                           errors: list[Optional[BaseException]]) -> None:
+        """Masks the grammar-constrained rows, in one tensor op; a batch without any costs a
+        scan of the rows."""
+        constrained = [i for i, row in enumerate(rows)
+                       if row.constraint is not None and errors[i] is None]
+        if not constrained:
+            return
+        words = bitmask_words(rows[constrained[0]].constraint.vocab_size)
+        bitmasks = torch.empty((len(constrained), words), dtype=torch.int32)
+        filled = []
+        for i in constrained:
+            try:
+                rows[i].constraint.fill(rows[i].output_token_ids, bitmasks[len(filled)])
+                filled.append(i)
+            except Exception as exc:
+                errors[i] = exc
+        if filled:
+            apply_bitmasks(logits, torch.tensor(filled, dtype=torch.long, device=logits.device),
+                           bitmasks[:len(filled)], masked_from=self.vocab_limit)
 
     def _random_probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
                       random_rows: list[int], errors: list[Optional[BaseException]]

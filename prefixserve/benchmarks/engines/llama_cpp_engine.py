@@ -14,7 +14,7 @@ import gc
 import time
 from pathlib import Path
 
-from prefixserve.benchmarks.engines.base import OnRequestDone, RequestRecord, RunResult, tokenizer_vocab_size
+from prefixserve.benchmarks.engines.base import OnRequestDone, RequestRecord, RunResult
 from prefixserve.benchmarks.memory import peak_rss_bytes, reset_peak_rss
 from prefixserve.benchmarks.workloads import Workload
 

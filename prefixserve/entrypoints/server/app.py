@@ -6,7 +6,7 @@ import contextlib
 import logging
 from typing import AsyncIterator, Union
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -19,15 +19,19 @@ from prefixserve.entrypoints.server.gate import Gate
 from prefixserve.entrypoints.server.metrics import ServerMetrics
 from prefixserve.entrypoints.server.openai.chat import create_chat_completion
 from prefixserve.entrypoints.server.openai.completions import create_completion
-from prefixserve.entrypoints.server.openai.protocol import ModelCard, ModelList
-from prefixserve.entrypoints.server.prompting.cached_contents import (create_cached_content,
+from prefixserve.entrypoints.server.anthropic.protocol import MessagesRequest
+from prefixserve.entrypoints.server.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
+                                                            ModelList)
+from prefixserve.entrypoints.server.prompting.bodies import add_body_schemas, request_body_schema
+from prefixserve.entrypoints.server.prompting.cached_contents import (CachedContentCreate,
+                                                                      CachedContentUpdate,
+                                                                      create_cached_content,
                                                                       delete_cached_content,
                                                                       get_cached_content,
                                                                       list_cached_contents,
                                                                       update_cached_content)
 from prefixserve.entrypoints.server.prompting.render_pool import RenderPool
 from prefixserve.entrypoints.server.state import ServerState, get_state
-from prefixserve.entrypoints.server.validation import check_body
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +46,9 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
     """
     owned = isinstance(engine, LLMEngine)
     async_llm = AsyncLLM(engine, max_waiting=config.max_waiting) if owned else engine
-    if not isinstance(async_llm, AsyncLLM):
+    # Or a front of the same shape over several engines (replicas/front.py: ReplicatedLLM).
+    if not isinstance(async_llm, AsyncLLM) and not all(
+            callable(getattr(async_llm, name, None)) for name in ("add_request", "abort", "stats", "start")):
         raise TypeError(f"build_app needs an LLMEngine or AsyncLLM, got {type(engine).__name__}")
     model_name = config.served_model_name or async_llm.info.model
     state = ServerState(async_llm=async_llm, config=config, model_name=model_name,
@@ -63,7 +69,7 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
             if owned:
                 async_llm.shutdown()
 
-    app = FastAPI(title="prefixserve", version="0.1.0", lifespan=lifespan, dependencies=[Depends(check_body)])
+    app = FastAPI(title="prefixserve", version="0.1.0", lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(Gate, keys=config.keys, max_body_bytes=config.max_body_bytes)
@@ -74,13 +80,26 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
 
     # JSON, or server-sent events when the request asks to stream
     streamed = {200: {"content": {"application/json": {}, "text/event-stream": {}}}}
-    app.post("/v1/completions", responses=streamed)(create_completion)
-    app.post("/v1/chat/completions", responses=streamed)(create_chat_completion)
-    app.post("/v1/messages", responses=streamed)(create_message)
-    app.post("/v1/cached_contents")(create_cached_content)
+    # Bodies are parsed by bodies.py (in the render process when large), not by FastAPI, so
+    # their schemas are declared here.
+    body = request_body_schema
+    app.post("/v1/completions", responses=streamed, openapi_extra=body(CompletionRequest))(create_completion)
+    app.post("/v1/chat/completions", responses=streamed,
+             openapi_extra=body(ChatCompletionRequest))(create_chat_completion)
+    app.post("/v1/messages", responses=streamed, openapi_extra=body(MessagesRequest))(create_message)
+    app.post("/v1/cached_contents", openapi_extra=body(CachedContentCreate))(create_cached_content)
     app.get("/v1/cached_contents")(list_cached_contents)
     app.get("/v1/cached_contents/{key}")(get_cached_content)
-    app.patch("/v1/cached_contents/{key}")(update_cached_content)
+    app.patch("/v1/cached_contents/{key}", openapi_extra=body(CachedContentUpdate))(update_cached_content)
+    openapi = app.openapi
+
+    def openapi_with_bodies() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = add_body_schemas(openapi(), [CompletionRequest, ChatCompletionRequest,
+                                                              MessagesRequest, CachedContentCreate,
+                                                              CachedContentUpdate])
+        return app.openapi_schema
+    app.openapi = openapi_with_bodies
     app.delete("/v1/cached_contents/{key}")(delete_cached_content)
 
     @app.get("/v1/models")
@@ -97,7 +116,9 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
             return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
         kernels = {name: {"active": k["active"], "reason": k["reason"]}
                    for name, k in s.async_llm.info.kernels.items()}
-        return JSONResponse({"status": "ok", "kernels": kernels})
+        info = s.async_llm.info
+        return JSONResponse({"status": "ok", "dtype": info.dtype, "dtype_reason": info.dtype_reason,
+                             "kernels": kernels})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -68,6 +68,31 @@ class EngineStatsCollector(Collector):
         yield self._gauge("kv_blocks_pinned", "KV blocks protected by a pin.", s.blocks_pinned)
         yield self._gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
                           s.blocks_in_use / s.blocks_total if s.blocks_total else 0.0)
+        if s.kv_stores:
+            yield from self._kv_store_families(s.kv_stores)
+
+    def _kv_store_families(self, stores) -> Iterator[Metric]:
+        """One series per KV store (labelled by its URL without credentials)."""
+        counters = (("hits", "KV blocks loaded from the store into the pool."),
+                    ("misses", "KV blocks asked of the store that it could not serve."),
+                    ("bytes_read", "Bytes read from the store."),
+                    ("bytes_written", "Bytes written to the store."),
+                    ("load_seconds", "Seconds spent reading and verifying blocks from the store."),
+                    ("dropped_writes", "KV blocks not written: the writer's queue was full."),
+                    ("rejected", "Records refused: corrupt, truncated, stale or of another format."),
+                    ("errors", "Store faults: unreachable, I/O errors, disk full."))
+        for name, doc in counters:
+            family = CounterMetricFamily(P + "kv_store_" + name, doc, labels=["model_name", "store"])
+            for st in stores:
+                family.add_metric([self._model, st.store], getattr(st, name))
+            yield family
+        for name, doc in (("records", "Records the store holds."),
+                          ("bytes_held", "Bytes the store holds.")):
+            family = GaugeMetricFamily(P + "kv_store_" + name, doc, labels=["model_name", "store"])
+            for st in stores:
+                if getattr(st, name) >= 0:   # -1: not counted (a remote store)
+                    family.add_metric([self._model, st.store], getattr(st, name))
+            yield family
 
 
 class ServerMetrics:

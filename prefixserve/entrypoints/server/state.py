@@ -16,6 +16,7 @@ from prefixserve.entrypoints.server.config import ServerConfig
 from prefixserve.entrypoints.server.errors import APIError, bad_request
 from prefixserve.entrypoints.server.metrics import ServerMetrics
 from prefixserve.entrypoints.server.prompting.render_pool import RenderPool
+from prefixserve.entrypoints.server.prompting.turn_memory import TurnMemory
 
 
 MAX_SALT_CHARS = 256
@@ -32,6 +33,8 @@ class ServerState:
     # Chat templates and tokenization run there, so that one huge prompt delays only its own
     # request, never the chunks of every running stream.
     renderer: RenderPool
+    # The tokens of recent finished turns, so the next turn's prompt reuses them.
+    turns: TurnMemory = field(default_factory=TurnMemory)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_model(self, model: Optional[str]) -> None:

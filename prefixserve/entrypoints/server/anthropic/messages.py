@@ -8,15 +8,16 @@ input_tokens / cache_creation_input_tokens / cache_read_input_tokens.
 """
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Optional
+from typing import Annotated, Any, AsyncIterator, Optional
 
-from fastapi import Request
+from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.outputs import CompletionOutput, RequestOutput
 from prefixserve.entrypoints.server.anthropic.protocol import MessagesRequest
-from prefixserve.prompt import parse_cache_control
-from prefixserve.entrypoints.server.prompting.conversations import conversation_of
+from prefixserve.entrypoints.server.anthropic.tool_stream import BlockStream
+from prefixserve.entrypoints.server.anthropic.tools import message_tools, reply, stop_reason_of
+from prefixserve.entrypoints.server.prompting.bodies import ParsedChat, chat_body
 from prefixserve.entrypoints.server.diagnosis import (LiveDiagnosis, diagnose_ask,
                                                       with_diagnosis)
 from prefixserve.entrypoints.server.errors import APIError, api_error
@@ -29,24 +30,22 @@ from prefixserve.entrypoints.server.usage import CacheUsage
 from prefixserve.sampling_params import SamplingParams
 
 
-async def create_message(body: MessagesRequest, request: Request) -> Response:
+async def create_message(parsed: Annotated[ParsedChat, Depends(chat_body("messages"))], request: Request) -> Response:
+    body: MessagesRequest = parsed.body  # without messages and system when it was large: see ParsedChat
     state = get_state(request)
     state.check_model(body.model)
     salt = state.namespace(request, body.cache_salt)
     ask = diagnose_ask(body)
-    conversation = conversation_of(body.system, body.messages, body.tools)
-    control = parse_cache_control(body.cache_control, "body")
-    last = conversation.turns[-1].parts[-1] if conversation.turns[-1].parts else None
-    if control is not None and last is not None and last.cache_control is None:
-        last.cache_control = control
-    prompt = await prepare_prompt(state, conversation, cached_content=body.cached_content,
+    tools = message_tools(body, state.async_llm.tokenizer)
+    prompt = await prepare_prompt(state, parsed.source, cached_content=body.cached_content,
                                   cache_salt=salt, with_spans=ask is not None)
     try:
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=0 if body.top_k is None else body.top_k,
-            max_tokens=body.max_tokens, stop=list(body.stop_sequences or []))
+            max_tokens=body.max_tokens, stop=list(body.stop_sequences or []),
+            structured=tools.structured)
     except InvalidRequestError as exc:
         raise api_error(exc, renames={"stop": "stop_sequences"}) from None
     live = LiveDiagnosis(state.explainer, ask, prompt.cache_salt,
@@ -57,13 +56,16 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     if body.stream:
         first, rest = await gen.first_output(request)
         headers = warning_headers(prompt.plan.warnings(first))
-        return EventStream(_events(state, gen, prompt, live, first, rest), on_close=gen.abort,
-                           headers=headers)
+        return EventStream(_events(state, gen, prompt, live, first, rest, BlockStream(tools.choice, tools.fmt)),
+                           on_close=gen.abort, headers=headers)
     (output,) = await gen.final_outputs(request)
+    state.turns.remember(prompt.cache_salt, prompt.rendered.text, prompt.token_ids, output,
+                         state.async_llm.tokenizer)
     completion = output.outputs[0]
     stop_reason, stop_sequence = _stop(completion)
     message = _message(state, gen, prompt, output, live)
-    message.update(content=[{"type": "text", "text": completion.text}], stop_reason=stop_reason,
+    content, called = reply(tools, completion.text)
+    message.update(content=content, stop_reason=stop_reason_of(stop_reason, called),
                    stop_sequence=stop_sequence)
     return JSONResponse(message, headers=warning_headers(prompt.plan.warnings(output)))
 
@@ -97,28 +99,27 @@ def _stop(c: CompletionOutput) -> tuple[Optional[str], Optional[str]]:
 
 async def _events(state: ServerState, gen: Generation, prompt: PreparedPrompt,
                   live: LiveDiagnosis, first: RequestOutput,
-                  rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+                  rest: AsyncIterator[tuple[int, RequestOutput]], blocks: BlockStream) -> AsyncIterator[str]:
     yield named_event("message_start", {"message": _message(state, gen, prompt, first)})
-    yield named_event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    for event in blocks.begin():
+        yield event
     yield named_event("ping", {})
-    sent = 0
     last = first
     try:
         output: Optional[RequestOutput] = first
         while output is not None:
             last = output
-            text = output.outputs[0].text
-            if len(text) > sent:
-                yield named_event("content_block_delta", {"index": 0, "delta": {
-                    "type": "text_delta", "text": text[sent:]}})
-                sent = len(text)
+            for event in blocks.feed(output.outputs[0].text, last.finished):
+                yield event
             output = None if last.finished else (await anext(rest, (0, None)))[1]
     except APIError as exc:
         yield exc.anthropic_sse()
         return
+    state.turns.remember(prompt.cache_salt, prompt.rendered.text, prompt.token_ids, last,
+                         state.async_llm.tokenizer)
     completion = last.outputs[0]
     stop_reason, stop_sequence = _stop(completion)
-    yield named_event("content_block_stop", {"index": 0})
+    stop_reason = stop_reason_of(stop_reason, blocks.called)
     final = _message(state, gen, prompt, last, live)
     delta: dict[str, Any] = {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                              "usage": final["usage"]}

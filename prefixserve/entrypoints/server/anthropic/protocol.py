@@ -31,6 +31,8 @@ class MessagesRequest(DiagnoseFields):
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: Union[str, list[ContentBlock], None] = None
     tools: Optional[list[dict[str, Any]]] = None
+    # {"type": "auto" | "any" | "tool" | "none", "name", "disable_parallel_tool_use"}
+    tool_choice: Optional[dict[str, Any]] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None

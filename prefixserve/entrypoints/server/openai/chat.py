@@ -1,22 +1,24 @@
 """POST /v1/chat/completions: messages through the model's chat template, then generation."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
-from typing import AsyncIterator, Optional
+from typing import Annotated, AsyncIterator, Optional
 
-from fastapi import Request
+from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.outputs import CompletionOutput, RequestOutput
-from prefixserve.entrypoints.server.prompting.conversations import chat_conversation
 from prefixserve.entrypoints.server.diagnosis import (LiveDiagnosis, diagnose_ask,
                                                       with_diagnosis)
 from prefixserve.entrypoints.server.errors import APIError, api_error, bad_request
 from prefixserve.errors import InvalidRequestError
 from prefixserve.entrypoints.server.streaming import DONE_EVENT, EventStream, Generation, sse, submit
 from prefixserve.entrypoints.server.usage import usage_of
+from prefixserve.entrypoints.server.prompting.bodies import ParsedChat, chat_body
 from prefixserve.entrypoints.server.prompting.prompts import PreparedPrompt, prepare_prompt
+from prefixserve.entrypoints.server.openai.tool_calls import ChatTools, ToolDeltas, finish_reason_of
 from prefixserve.entrypoints.server.openai.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                                      ChatCompletionChunk, ChatCompletionRequest,
                                                      ChatCompletionResponse, ChatLogprobs,
@@ -25,7 +27,9 @@ from prefixserve.entrypoints.server.state import ServerState, get_state, new_id,
 from prefixserve.entrypoints.server.prompting.pins import unix_time, warning_headers
 
 
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+async def create_chat_completion(parsed: Annotated[ParsedChat, Depends(chat_body("chat"))],
+                                 request: Request) -> Response:
+    body: ChatCompletionRequest = parsed.body  # without messages when it was large: see ParsedChat
     state = get_state(request)
     state.check_model(body.model)
     salt = state.namespace(request, body.cache_salt)
@@ -34,14 +38,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     ask = diagnose_ask(body)
-    prompt = await prepare_prompt(state, chat_conversation(body.messages, body.tools),
-                                  cached_content=body.cached_content, cache_salt=salt,
+    tools = ChatTools.of(body, state.async_llm.tokenizer)
+    prompt = await prepare_prompt(state, parsed.source, cached_content=body.cached_content, cache_salt=salt,
                                   add_generation_prompt=body.add_generation_prompt,
                                   template_kwargs=_template_kwargs(body), with_spans=ask is not None)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
         else body.max_tokens
     try:
         params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        params = dataclasses.replace(params, structured=tools.structured)
     except InvalidRequestError as exc:
         raise api_error(exc, renames={"logprobs": "top_logprobs"}) from None
     live = LiveDiagnosis(state.explainer, ask, prompt.cache_salt,
@@ -51,12 +56,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                        priority=body.priority, param="messages", cache_pins=prompt.plan.pins)
     created = int(time.time())
     if body.stream:
-        return EventStream(_stream(state, gen, body, created, prompt, live), on_close=gen.abort)
+        return EventStream(_stream(state, gen, body, created, prompt, live, tools), on_close=gen.abort)
     (output,) = await gen.final_outputs(request)
-    choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                          logprobs=_logprobs(state, c, 0), finish_reason=c.finish_reason,
-                          stop_reason=c.stop_reason)
-               for c in output.outputs]
+    state.turns.remember(prompt.cache_salt, prompt.rendered.text, prompt.token_ids, output,
+                         state.async_llm.tokenizer)
+    choices = []
+    for c in output.outputs:
+        content, calls = tools.reply(c.text)
+        choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content,
+                                                                          tool_calls=calls or None),
+                                  logprobs=_logprobs(state, c, 0),
+                                  finish_reason=finish_reason_of(c.finish_reason, bool(calls)),
+                                  stop_reason=c.stop_reason))
     response = ChatCompletionResponse(id=gen.request_ids[0], created=created,
                                       model=state.model_name, choices=choices,
                                       usage=usage_of([output]))
@@ -69,7 +80,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 
 def _template_kwargs(body: ChatCompletionRequest) -> dict:
-    # check_body let a client template through only on a server that trusts them
+    # validation let a client template through only on a server that trusts them
     extra = {"chat_template": body.chat_template} if body.chat_template is not None else {}
     return {**(body.chat_template_kwargs or {}), **extra}
 
@@ -92,7 +103,8 @@ def _logprobs(state: ServerState, c: CompletionOutput, start: int) -> Optional[C
 
 
 async def _stream(state: ServerState, gen: Generation, body: ChatCompletionRequest,
-                  created: int, prompt: PreparedPrompt, live: LiveDiagnosis) -> AsyncIterator[str]:
+                  created: int, prompt: PreparedPrompt, live: LiveDiagnosis,
+                  tools: ChatTools) -> AsyncIterator[str]:
     def chunk(choices: list[ChatChunkChoice]) -> str:
         return sse(ChatCompletionChunk(id=gen.request_ids[0], created=created,
                                        model=state.model_name, choices=choices))
@@ -103,7 +115,7 @@ async def _stream(state: ServerState, gen: Generation, body: ChatCompletionReque
 
     yield chunk([ChatChunkChoice(index=k, delta=DeltaMessage(role="assistant", content=""))
                  for k in range(body.n)])
-    sent_text: dict[int, int] = {}
+    deltas = {k: ToolDeltas(tools) for k in range(body.n)}
     sent_tokens: dict[int, int] = {}
     done: set[int] = set()
     last: Optional[RequestOutput] = None
@@ -115,19 +127,21 @@ async def _stream(state: ServerState, gen: Generation, body: ChatCompletionReque
             for c in out.outputs:
                 if c.index in done:
                     continue
-                delta = c.text[sent_text.get(c.index, 0):]
                 finished = c.finish_reason is not None
+                delta = deltas[c.index].delta(c.text, finished)
                 if not delta and not finished:
                     continue
                 choices.append(ChatChunkChoice(
-                    index=c.index, delta=DeltaMessage(content=delta) if delta else DeltaMessage(),
+                    index=c.index, delta=DeltaMessage(**delta),
                     logprobs=_logprobs(state, c, sent_tokens.get(c.index, 0)),
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-                sent_text[c.index] = len(c.text)
+                    finish_reason=finish_reason_of(c.finish_reason, deltas[c.index].called),
+                    stop_reason=c.stop_reason))
                 sent_tokens[c.index] = len(c.token_ids)
                 if finished:
                     done.add(c.index)
             if out.finished:
+                state.turns.remember(prompt.cache_salt, prompt.rendered.text, prompt.token_ids, out,
+                                     state.async_llm.tokenizer)
                 diagnosis = live.finish(gen.request_ids[0], out)
                 if not body.include_usage_in_stream and diagnosis is not None:
                     # No usage chunk follows: the last content chunk carries the extension.

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Annotated, Any, AsyncIterator, Optional, Union
 
-from fastapi import Request
+from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.outputs import CompletionOutput, RequestOutput
@@ -14,12 +14,14 @@ from prefixserve.entrypoints.server.errors import APIError, api_error, bad_reque
 from prefixserve.errors import InvalidRequestError
 from prefixserve.entrypoints.server.streaming import DONE_EVENT, EventStream, Generation, sse, submit
 from prefixserve.entrypoints.server.usage import usage_of
+from prefixserve.entrypoints.server.prompting.bodies import json_body
 from prefixserve.entrypoints.server.openai.protocol import (CompletionChoice, CompletionLogprobs,
                                                      CompletionRequest, CompletionResponse)
 from prefixserve.entrypoints.server.state import ServerState, get_state, new_id, token_text
 
 
-async def create_completion(body: CompletionRequest, request: Request) -> Response:
+async def create_completion(body: Annotated[CompletionRequest, Depends(json_body(CompletionRequest))],
+                            request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model)
     salt = state.namespace(request, body.cache_salt)

@@ -129,6 +129,9 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: Optional[int] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema"}}
+    response_format: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
     # A template of the client's own: refused unless the server trusts clients with templates.
@@ -194,7 +197,9 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    # [{"id", "type": "function", "function": {"name", "arguments"}}] when the model called tools
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
 
 class ChatChoice(BaseModel):
@@ -218,6 +223,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -17,15 +17,16 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
-from fastapi import Request
+from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from prefixserve.engine import CachedContent, CachePin, PinInfo
 from prefixserve.entrypoints.server.errors import APIError, bad_request
 from prefixserve.entrypoints.server.openai.protocol import StrictModel
+from prefixserve.entrypoints.server.prompting.bodies import json_body
 from prefixserve.entrypoints.server.prompting.conversations import conversation_of
 from prefixserve.entrypoints.server.prompting.pins import unix_time
 from prefixserve.entrypoints.server.prompting.prompts import render_or_400
@@ -89,7 +90,8 @@ def parse_ttl(value: Union[str, int, float], scale: float, max_s: float) -> floa
     return seconds * scale
 
 
-async def create_cached_content(body: CachedContentCreate, request: Request) -> JSONResponse:
+async def create_cached_content(body: Annotated[CachedContentCreate, Depends(json_body(CachedContentCreate))],
+                                request: Request) -> JSONResponse:
     state = get_state(request)
     state.check_model(body.model)
     namespace = state.namespace(request, body.cache_salt)
@@ -142,7 +144,8 @@ async def get_cached_content(key: str, request: Request, cache_salt: Optional[st
     return JSONResponse(describe(content, pin, unix_time(state.async_llm.now)))
 
 
-async def update_cached_content(key: str, body: CachedContentUpdate, request: Request,
+async def update_cached_content(key: str, body: Annotated[CachedContentUpdate, Depends(json_body(CachedContentUpdate))],
+                                request: Request,
                                 cache_salt: Optional[str] = None) -> JSONResponse:
     state = get_state(request)
     ttl_s = parse_ttl(body.ttl, state.config.cache_ttl_scale, state.config.max_cache_ttl_s)

@@ -11,6 +11,8 @@ from prefixserve.errors import CacheControlError
 from prefixserve.prompt import Conversation, Part, Tool, Turn, parse_cache_control
 from prefixserve.entrypoints.server.errors import bad_request
 from prefixserve.entrypoints.server.openai.protocol import ChatMessage
+from prefixserve.entrypoints.server.openai.tool_calls import check_tool_calls
+from prefixserve.entrypoints.server.anthropic.tool_blocks import has_tool_blocks, tool_turns
 
 
 def parts_of(content: Union[str, list, None], where: str) -> Optional[list[Part]]:
@@ -59,6 +61,7 @@ def chat_conversation(messages: list[ChatMessage], tools: Optional[list[dict[str
         where = f"messages[{i}]"
         fields = message.model_dump(exclude_none=True)
         fields.pop("content", None)
+        check_tool_calls(message.role, fields.get("tool_calls"), f"{where}.tool_calls")
         control = parse_cache_control(fields.pop("cache_control", None), where)
         if control is not None and not isinstance(message.content, str):
             raise CacheControlError(f"{where}.cache_control on a message needs string content; "
@@ -70,6 +73,22 @@ def chat_conversation(messages: list[ChatMessage], tools: Optional[list[dict[str
             parts[0].cache_control = control
         turns.append(Turn(fields, parts))
     return Conversation(turns, [tool_of(t, f"tools[{i}]") for i, t in enumerate(tools or [])])
+
+
+def openai_conversation(body: Any) -> Conversation:
+    """A chat-completions body's conversation."""
+    return chat_conversation(body.messages, body.tools)
+
+
+def messages_conversation(body: Any) -> Conversation:
+    """A Messages body's conversation; a top-level cache_control marks the last block
+    (Anthropic's automatic caching) unless that block has its own."""
+    conversation = conversation_of(body.system, body.messages, body.tools)
+    control = parse_cache_control(body.cache_control, "body")
+    last = conversation.turns[-1].parts[-1] if conversation.turns and conversation.turns[-1].parts else None
+    if control is not None and last is not None and last.cache_control is None:
+        last.cache_control = control
+    return conversation
 
 
 def conversation_of(system: Union[str, list, None], messages: list[Any],
@@ -87,6 +106,9 @@ def conversation_of(system: Union[str, list, None], messages: list[Any],
         if not isinstance(message.get("content"), (str, list)):
             raise bad_request(f"{where}.content must be a string or a list of text blocks",
                               param=f"{where}.content")
+        if has_tool_blocks(message["content"]):
+            turns += tool_turns(message["role"], message["content"], where)
+            continue
         fields = {"role": message["role"]}
         turns.append(Turn(fields, parts_of(message["content"], f"{where}.content")))
     return Conversation(turns, [tool_of(t, f"tools[{i}]") for i, t in enumerate(tools or [])])

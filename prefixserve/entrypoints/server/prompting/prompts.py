@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from prefixserve.entrypoints.server.errors import bad_request
+from prefixserve.entrypoints.server.prompting.bodies import ConversationSource
 from prefixserve.entrypoints.server.prompting.pins import PinPlan
 from prefixserve.entrypoints.server.prompting.render_pool import RenderedChat
 from prefixserve.entrypoints.server.state import ServerState
@@ -22,14 +23,13 @@ class PreparedPrompt:
     rendered: RenderedChat
     plan: PinPlan
     cache_salt: Optional[str]
-    conversation: Conversation   # what was rendered (a cached content's turns included)
 
     @property
     def token_ids(self) -> list[int]:
         return self.rendered.token_ids
 
 
-async def prepare_prompt(state: ServerState, conversation: Conversation, *,
+async def prepare_prompt(state: ServerState, source: ConversationSource, *,
                          cached_content: Optional[str], cache_salt: Optional[str],
                          add_generation_prompt: bool = True,
                          template_kwargs: Optional[dict[str, Any]] = None,
@@ -39,14 +39,8 @@ async def prepare_prompt(state: ServerState, conversation: Conversation, *,
     if cached_content is not None:
         # looked up in the request's own namespace: another tenant's (or salt's) content is not there
         content, _ = await state.async_llm.find_cached_content(cached_content, owner=cache_salt)
-        if conversation.tools:
-            raise bad_request("a request using cached_content takes its tools from the cached "
-                              "content; do not send tools", param="tools")
-        if any(t.fields.get("role") == "system" for t in conversation.turns):
-            raise bad_request("a request using cached_content takes its system prompt from the "
-                              "cached content; do not send one", param="system")
-        conversation = content.payload.conversation.then(conversation)
-    rendered = await render_or_400(state, conversation, add_generation_prompt=add_generation_prompt,
+    rendered = await render_or_400(state, source, content=content.payload.conversation if content else None,
+                                   add_generation_prompt=add_generation_prompt,
                                    template_kwargs=template_kwargs, with_spans=with_spans)
     if content is not None and rendered.token_ids[:len(content.token_ids)] != content.token_ids:
         raise bad_request(
@@ -54,16 +48,20 @@ async def prepare_prompt(state: ServerState, conversation: Conversation, *,
             f"{cached_content!r} (the chat template renders the combined conversation "
             f"differently), so its cache cannot be used", param="cached_content",
             code="cached_content_mismatch")
+    # an agent loop's earlier turns keep the tokens the model generated (turn_memory.py)
+    rendered = state.turns.splice(cache_salt, rendered, state.async_llm.tokenizer)
     plan = PinPlan(rendered.breakpoints, state.config.cache_ttl_scale,
                    content.id if content is not None else None)
-    return PreparedPrompt(rendered, plan, cache_salt, conversation)
+    return PreparedPrompt(rendered, plan, cache_salt)
 
 
-async def render_or_400(state: ServerState, conversation: Conversation, *, add_generation_prompt: bool,
-                        template_kwargs: Optional[dict[str, Any]], with_spans: bool = False) -> RenderedChat:
-    """The conversation rendered in the render process; what the template refuses is the request's fault."""
+async def render_or_400(state: ServerState, source: ConversationSource, *, add_generation_prompt: bool,
+                        template_kwargs: Optional[dict[str, Any]], with_spans: bool = False,
+                        content: Optional[Conversation] = None) -> RenderedChat:
+    """The conversation rendered in the render process (after a cached content's, if given);
+    what the template refuses is the request's fault."""
     try:
-        return await state.renderer.render(conversation, add_generation_prompt=add_generation_prompt,
+        return await state.renderer.render(source, content=content, add_generation_prompt=add_generation_prompt,
                                            template_kwargs=template_kwargs, with_spans=with_spans)
     except PrefixServeError:
         raise
