@@ -35,10 +35,11 @@ def test_different_seed_different_weights() -> None:
     assert a.identity != b.identity
 
 
-def test_tiny_preset_weights_look_like_hf_init() -> None:
+def test_tiny_preset_weights_are_scaled_by_fan_in() -> None:
     model = load_model("random:qwen3-tiny").model
     assert model.lm_head is model.embed_tokens
-    assert abs(model.layers[0].mlp.down_proj.std().item() - 0.02) < 0.002
+    down = model.layers[0].mlp.down_proj
+    assert abs(down.std().item() - down.shape[-1] ** -0.5) < 0.1 * down.shape[-1] ** -0.5
     assert torch.equal(model.layers[1].self_attn.q_norm.weight, torch.ones(16))
     assert torch.isfinite(_logits(load_model("random:qwen3-tiny"), [1, 2, 3])).all()
 
@@ -65,3 +66,19 @@ def test_qwen3_06b_preset_has_the_published_parameter_count() -> None:
     total = sum(p.numel() for p in model.parameters())
     embedding = 151936 * 1024
     assert abs((total - embedding) - 440.5e6) < 0.05e6
+
+
+def test_the_tiny_model_reads_its_cached_context():
+    """Comparing outputs with caching on and off is an oracle for K/V only if outputs depend on
+    the K/V: with the whole pool negated after the prompts were cached, every greedy
+    continuation of the same prompts (now served from the cache) changes."""
+    from prefixserve import LLM, SamplingParams
+    llm = LLM("random:qwen3-tiny", dtype="float32", num_kv_blocks=256)
+    prompts = [{"prompt_token_ids": [(i * 37 + k * 11) % 900 + 20 for i in range(100)]} for k in range(6)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for cache in llm.engine.runner.kv_caches:
+        cache.mul_(-1.0)
+    again = llm.generate(prompts, params)
+    assert all(o.num_cached_tokens > 0 for o in again)
+    assert all(o.outputs[0].token_ids != f for o, f in zip(again, first))

@@ -28,7 +28,6 @@ RANDOM_PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=True, attention_bias=False, qk_norm=True),
 }
 
-INIT_STD = 0.02  # what HF initialisers use for these families
 
 
 def random_model(preset: str, *, dtype: torch.dtype, device: torch.device | str, seed: int,
@@ -37,13 +36,19 @@ def random_model(preset: str, *, dtype: torch.dtype, device: torch.device | str,
     if preset not in RANDOM_PRESETS:
         raise KeyError(preset)
     model = CausalLM(RANDOM_PRESETS[preset], dtype=dtype, device=device, attention_backend=attention_backend)
-    initialise_randomly(model, seed=seed, std=INIT_STD)
+    initialise_randomly(model, seed=seed)
     return model.eval()
 
 
 @torch.no_grad()
-def initialise_randomly(model: torch.nn.Module, *, seed: int, std: float) -> None:
-    """Norm weights 1, biases 0, everything else N(0, std), in parameters() order.
+def initialise_randomly(model: torch.nn.Module, *, seed: int) -> None:
+    """Norm weights 1, biases 0, every matrix N(0, 1 / fan_in), in parameters() order.
+
+    Not HF's N(0, 0.02): with it and tied embeddings a small model's output is dominated by the
+    current token's own embedding, and its greedy continuation hardly depends on the context
+    (qwen3-tiny repeated the last prompt token, and negating its whole K/V cache changed no
+    output), so no test comparing outputs could tell right K/V from wrong. Scaled by fan-in,
+    every layer's output is of the order of its input, and the context decides the output.
 
     Values are drawn directly in the parameter's dtype and device: no float32
     staging copy, so even a 0.6B model initialises in seconds.
@@ -56,4 +61,4 @@ def initialise_randomly(model: torch.nn.Module, *, seed: int, std: float) -> Non
         elif param.dim() == 1:  # the only other vectors are biases
             param.zero_()
         else:
-            param.normal_(0.0, std, generator=generator)
+            param.normal_(0.0, param.shape[-1] ** -0.5, generator=generator)
