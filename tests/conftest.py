@@ -10,6 +10,8 @@ tests (copy it with shutil.copytree before modifying anything).
 - tiny_checkpoint: tiny_checkpoint("qwen2") -> Path, the same folders by architecture name.
 - tiny_sharded_checkpoint: the qwen3 checkpoint's exact weights saved as several shards plus
   model.safetensors.index.json.
+- redis_server: a real redis-server (Debian's package) on a free port in the test's tmp_path,
+  killed afterwards (tests/redis_server.py).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Callable
 import pytest
 
 from checkpoint_factory import ARCHITECTURES, write_tiny_checkpoint
+from redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -40,3 +43,11 @@ def tiny_checkpoint(tiny_checkpoints: dict[str, Path]) -> Callable[[str], Path]:
 def tiny_sharded_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny_sharded") / "qwen3"
     return write_tiny_checkpoint(folder, "qwen3", seed=0, max_shard_size="400KB")
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path):
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.kill()

@@ -5,15 +5,8 @@ import pytest
 
 from kv_store_helpers import BLOCK, PARAMS, POOL_BLOCKS, documents, full_blocks, reference, run_child
 from prefixserve import LLM
-from redis_server import RedisServer, free_port
+from redis_server import free_port
 
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.kill()
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,7 @@
 """Replicas sharing a Redis KV store (a real redis-server started here): a prefix one replica
 computed is served by the other from the store, and answers as with caching off."""
+import contextlib
+
 import httpx
 import pytest
 
@@ -10,7 +12,6 @@ from prefixserve.kv.stores import open_store
 from prefixserve.replicas.policy import RoutingConfig
 from prefixserve.replicas.service import ReplicaConfig, ReplicaService
 from prefixserve.sampling_params import SamplingParams
-from tests.redis_server import RedisServer
 from tests.test_replicas_service import ENGINE, cached, cluster, wait_for  # noqa: F401 (fixture)
 from tests.test_server_api import LiveServer
 
@@ -25,35 +26,34 @@ def ask(live) -> dict:
     return r.json()
 
 
-@pytest.fixture
-def redis(tmp_path):
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.kill()
-
-
-def test_a_replica_serves_the_other_replicas_prefix_from_the_store(cluster, redis):  # noqa: F811
-    engine = EngineConfig(**ENGINE, kv_stores=[redis.url], kv_store_write="through")
-    # Round-robin sends the second request to the replica that did not compute the prefix.
+@contextlib.contextmanager
+def store_service(redis_url: str, router: str, app_name: str):
+    """2 replicas writing through to one Redis, served over HTTP: (front, live server, store client)."""
+    engine = EngineConfig(**ENGINE, kv_stores=[redis_url], kv_store_write="through")
     service = ReplicaService(engine, ReplicaConfig(
-        num_replicas=2, replica_cpus=0.5, app_name="store", health_check_period_s=1.0,
-        routing=RoutingConfig(router="round-robin")), max_waiting=64)
+        num_replicas=2, replica_cpus=0.5, app_name=app_name, health_check_period_s=1.0,
+        routing=RoutingConfig(router=router)), max_waiting=64)
     front = service.start()
-    store = open_store(redis.url)
+    store = open_store(redis_url)
     try:
         with LiveServer(build_app(front, ServerConfig(max_waiting=64))) as live:
-            first = ask(live)
-            # Write-through lands in the background: wait until Redis holds every full block
-            # the engine would look up (the block holding the last prompt token is never looked up).
-            wait_for(lambda: store.usage()[0] >= (len(PROMPT) - 1) // 16, timeout=60)
-            second = ask(live)
-            wait_for(lambda: sum(s["prompt_tokens"] for s in front.replica_stats().values())
-                     == 2 * len(PROMPT), timeout=30)
-            stats = front.replica_stats()
+            yield front, live, store
     finally:
         store.close()
         service.stop()
+
+
+def test_a_replica_serves_the_other_replicas_prefix_from_the_store(cluster, redis_server):  # noqa: F811
+    # Round-robin sends the second request to the replica that did not compute the prefix.
+    with store_service(redis_server.url, "round-robin", "store") as (front, live, store):
+        first = ask(live)
+        # Write-through lands in the background: wait until Redis holds every full block
+        # the engine would look up (the block holding the last prompt token is never looked up).
+        wait_for(lambda: store.usage()[0] >= (len(PROMPT) - 1) // 16, timeout=60)
+        second = ask(live)
+        wait_for(lambda: sum(s["prompt_tokens"] for s in front.replica_stats().values())
+                 == 2 * len(PROMPT), timeout=30)
+        stats = front.replica_stats()
     assert cached(first) == 0
     assert cached(second) == (len(PROMPT) - 1) // 16 * 16
     # Each replica served one request; only the second one's came from Redis.
@@ -66,29 +66,19 @@ def test_a_replica_serves_the_other_replicas_prefix_from_the_store(cluster, redi
         == reference[0].outputs[0].text
 
 
-def test_the_router_sees_the_shared_store(cluster, redis):  # noqa: F811
+def test_the_router_sees_the_shared_store(cluster, redis_server):  # noqa: F811
     """Pools emptied by a reset, Redis still holding the prefix: the prefix-aware router routes
     the request as a store hit (it asked Redis), and the replica loads every block from there."""
     from tests.test_replicas_service import routing
-    engine = EngineConfig(**ENGINE, kv_stores=[redis.url], kv_store_write="through")
-    service = ReplicaService(engine, ReplicaConfig(
-        num_replicas=2, replica_cpus=0.5, app_name="store-pa", health_check_period_s=1.0,
-        routing=RoutingConfig(router="prefix-aware")), max_waiting=64)
-    front = service.start()
-    store = open_store(redis.url)
     full_blocks = (len(PROMPT) - 1) // 16
-    try:
-        with LiveServer(build_app(front, ServerConfig(max_waiting=64))) as live:
-            first = ask(live)
-            wait_for(lambda: store.usage()[0] >= full_blocks, timeout=60)
-            assert httpx.post(live.base_url + "/reset_prefix_cache", timeout=60).status_code == 200
-            wait_for(lambda: sum(routing(front)["held"].values()) == 0)
-            before = routing(front)["reasons"].get("store_hit", 0)
-            second = ask(live)
-            after = routing(front)["reasons"].get("store_hit", 0)
-    finally:
-        store.close()
-        service.stop()
+    with store_service(redis_server.url, "prefix-aware", "store-pa") as (front, live, store):
+        first = ask(live)
+        wait_for(lambda: store.usage()[0] >= full_blocks, timeout=60)
+        assert httpx.post(live.base_url + "/reset_prefix_cache", timeout=60).status_code == 200
+        wait_for(lambda: sum(routing(front)["held"].values()) == 0)
+        before = routing(front)["reasons"].get("store_hit", 0)
+        second = ask(live)
+        after = routing(front)["reasons"].get("store_hit", 0)
     assert cached(first) == 0 and cached(second) == full_blocks * 16
     assert after == before + 1
     assert first["choices"][0]["text"] == second["choices"][0]["text"]

@@ -66,15 +66,13 @@ class PrefixAwareRequestRouter(RequestRouter):
         cursor = -1
         while True:
             try:
-                if self.hasher is None:
-                    identities = {s.get("model_identity") for s in (await hub.stats.remote()).values()}
-                    identities.discard(None)
-                    if len(identities) > 1:
-                        logger.error("replicas serve different models: %s", sorted(identities))
-                    elif identities:
-                        self.hasher = BlockHasher(self.hash_algo, identities.pop())
-                if self._shared_stores and self._store is None:
-                    self._open_store({s.get("kv_store_scope") for s in (await hub.stats.remote()).values()})
+                if self.hasher is None or (self._shared_stores and self._store is None):
+                    # what the replicas publish once they are up: until then, each poll asks again
+                    stats = list((await hub.stats.remote()).values())
+                    if self.hasher is None:
+                        self._learn_model({s.get("model_identity") for s in stats} - {None})
+                    if self._shared_stores and self._store is None:
+                        self._open_store({s.get("kv_store_scope") for s in stats})
                 cursor, changes = await hub.poll.remote(cursor)
                 index = self.policy.index
                 index.expire(self.policy.clock())
@@ -86,6 +84,12 @@ class PrefixAwareRequestRouter(RequestRouter):
             except (ray.exceptions.RayError, ConnectionError) as exc:
                 logger.warning("KV event hub unreachable (%s); routing on the last view", exc)
             await asyncio.sleep(self._poll_period_s)
+
+    def _learn_model(self, identities: set) -> None:
+        if len(identities) > 1:
+            logger.error("replicas serve different models: %s", sorted(identities))
+        elif identities:
+            self.hasher = BlockHasher(self.hash_algo, identities.pop())
 
     def _open_store(self, scopes: set) -> None:
         if len(scopes) != 1 or not next(iter(scopes)):
