@@ -14,7 +14,7 @@ from prefixserve.kv.hashing import BlockHasher, encode_extra_keys, token_bytes
 from prefixserve.kv.stores import (BackgroundWriter, BlockMeta, KeyScope, RecordError, StoreChain,
                                    open_store, parse_size, parse_store_url)
 from prefixserve.kv.stores.mem import MemStore
-from prefixserve.kv.stores.record import decode, encode
+from prefixserve.kv.stores.record import encode, encode_head, verify
 
 SCOPE = KeyScope(weights_digest="w0", kv_dtype="float32", block_size=4, kv_layout="L2x[K,V]x4x1x2",
                  hash_algo="xxh3_64")
@@ -30,6 +30,26 @@ def chain_metas(tokens: list[int], block_size: int = 4, salt: str | None = None)
                                first if i == 0 else encode_extra_keys(())))
         parent = h
     return metas
+
+
+def decode(record: bytes, scope_digest: bytes, meta: BlockMeta, payload_len: int) -> bytes:
+    """The payload of a record as a reader expecting `meta` takes it: split where the expected
+    head ends (a store only reads a record of the expected size), then verified."""
+    n = len(encode_head(scope_digest, meta, payload_len))
+    payload = record[n:n + payload_len]
+    verify(encode_head(scope_digest, meta, payload_len), len(record), record[:n], [payload],
+           record[n + payload_len:])
+    return payload
+
+
+def load(chain: StoreChain, metas: list[BlockMeta], payload_len: int) -> list[bytes]:
+    """The payloads chain.load_into serves, each read into two separate buffers (a pool's K
+    and V are not adjacent)."""
+    half = payload_len // 2
+    bufs = [(bytearray(half), bytearray(payload_len - half)) for _ in metas]
+    targets = [[memoryview(a), memoryview(b)] for a, b in bufs]
+    n = chain.load_into(metas, lambda k: targets[:k])
+    return [bytes(a + b) for a, b in bufs[:n]]
 
 
 def test_a_record_round_trips_and_every_byte_is_covered() -> None:
@@ -60,12 +80,13 @@ def test_a_record_is_refused_for_any_other_block_or_scope() -> None:
         BlockMeta(b.block_hash, b.parent_hash, b.tokens, encode_extra_keys((("salt", "t"),))),
     ]
     for other in others:
-        with pytest.raises(RecordError, match="mismatch"):
+        # A head of another length shows as another size before any byte is compared.
+        with pytest.raises(RecordError, match="mismatch|size"):
             decode(record, SCOPE.digest, other, len(payload))
-    with pytest.raises(RecordError, match="mismatch"):
+    with pytest.raises(RecordError, match="size"):
         decode(record, SCOPE.digest, b, len(payload) + 1)
     other_scope = KeyScope(**{**vars(SCOPE), "weights_digest": "w1"})
-    with pytest.raises(RecordError, match="scope"):
+    with pytest.raises(RecordError, match="mismatch"):
         decode(record, other_scope.digest, b, len(payload))
 
 
@@ -80,6 +101,27 @@ def test_a_record_of_another_format_version_is_refused_even_when_intact() -> Non
     record[-16:] = xxhash.xxh3_128(bytes(record[:-16])).digest()
     with pytest.raises(RecordError, match="version"):
         decode(bytes(record), SCOPE.digest, meta, 16)
+
+
+@pytest.mark.parametrize("kind", ["mem", "file"])
+def test_the_stores_read_path_refuses_every_flip_and_truncation(tmp_path, kind: str) -> None:
+    """Through a store's own read (a file store's scattered read into separate buffers), every
+    single-byte change and every truncation of a record is a miss, deleted and counted."""
+    meta = chain_metas(list(range(8)))[1]
+    payload = bytes(range(64))
+    record = encode(SCOPE.digest, meta, payload)
+    store = open_store(f"mem://" if kind == "mem" else f"file://{tmp_path}")
+    chain = StoreChain([store], SCOPE)
+    store.put(SCOPE.key(meta.block_hash), (record,))
+    assert load(chain, [meta], len(payload)) == [payload]
+    damaged = [bytes(record[:i]) + bytes([record[i] ^ 0x01]) + bytes(record[i + 1:])
+               for i in range(len(record))]
+    damaged += [bytes(record[:n]) for n in range(len(record))] + [bytes(record) + b"\0"]
+    for bad in damaged:
+        store.put(SCOPE.key(meta.block_hash), (bad,))
+        assert load(chain, [meta], len(payload)) == []
+        assert store.usage()[0] == 0     # a refused record is deleted
+    assert chain.stats()[0].rejected == len(damaged)
 
 
 def test_every_part_of_the_scope_changes_its_digest() -> None:
@@ -128,7 +170,7 @@ def test_a_full_memory_store_spills_its_oldest_records_into_the_next_store(tmp_p
     assert mem.usage() == (3, 3 * size)
     assert disk.usage()[0] == len(metas) - 3
     # Every block is still served, in chain order, from one store or the other.
-    assert [bytes(p) for p in chain.load(metas, len(payload))] == [payload] * len(metas)
+    assert load(chain, metas, len(payload)) == [payload] * len(metas)
     stats = chain.stats()
     assert stats[0].hits == 3 and stats[1].hits == len(metas) - 3
 
@@ -212,7 +254,7 @@ def test_a_refused_record_is_served_by_the_next_store_that_holds_it(tmp_path):
     damaged = tmp_path / "a" / SCOPE.name / f"{metas[2].block_hash.hex()}.kvb"
     damaged.write_bytes(damaged.read_bytes()[:-1] + b"\xff")
     chain = StoreChain([fast, slow], SCOPE)
-    assert [bytes(p) for p in chain.load(metas, 64)] == payloads
+    assert load(chain, metas, 64) == payloads
     a, b = chain.stats()
     assert (a.hits, a.rejected, b.hits) == (len(metas) - 1, 1, 1)
     assert not damaged.exists()

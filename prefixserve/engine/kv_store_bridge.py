@@ -2,7 +2,7 @@
 
 Each step, before scheduling, the waiting requests the step could admit have the blocks past
 their pool hit looked up in the stores; verified blocks are loaded into freshly allocated
-pool blocks, registered in the index and left cached, so the scheduler's own lookup finds
+pool blocks (read straight into them), registered in the index and left cached, so the scheduler's own lookup finds
 them as ordinary hits (and counts them as cached tokens). After scheduling, the blocks the
 pool evicted are copied out (before the forward can overwrite them) and queued for the
 background writer (write-back); with write-through, blocks are queued as soon as the step
@@ -21,7 +21,7 @@ from prefixserve.model.config import ModelConfig, dtype_name
 from prefixserve.model.kv_layout import kv_cache_bytes_per_block
 from prefixserve.model.weights_digest import weights_digest
 from prefixserve.scheduler import Request
-from prefixserve.worker.kv_transfer import payload_layout, read_blocks, write_blocks
+from prefixserve.worker.kv_transfer import LoadTargets, payload_layout, read_blocks
 
 logger = logging.getLogger(__name__)
 # Copies made per call while flushing, so a large pool is never copied out at once.
@@ -88,29 +88,37 @@ class KVStoreBridge:
                 hit = len(lookup.prefix_ids)
             if not lookup.candidates:
                 break
-            try:
-                payloads = self.chain.load(lookup.candidates, self.payload_bytes)
-            except Exception:   # store faults are counted inside; anything else is a bug
-                logger.exception("looking up KV blocks in the stores failed; computing them")
-                break
-            n = self._import(lookup, payloads) if payloads else 0
-            loaded += n
-            room -= n
-            if n < len(lookup.candidates):
+            loaded_now = self._load_batch(lookup)
+            loaded += loaded_now
+            room -= loaded_now
+            if loaded_now < len(lookup.candidates):
                 break
         return hit, loaded
 
-    def _import(self, lookup, payloads) -> int:
-        ids = self.kv.import_blocks(lookup, len(payloads))
-        try:
+    def _load_batch(self, lookup) -> int:
+        """Loads the lookup's candidates the stores hold into pool blocks imported for them,
+        read in place; blocks that could not be loaded are dropped from the index again."""
+        imported: list[int] = []
+        targets: list[LoadTargets] = []
+
+        def reserve(n: int):
+            imported.extend(self.kv.import_blocks(lookup, n))
+            # What importing evicted is copied out before the loads overwrite it.
             self._spill(self.kv.take_evicted())
-            write_blocks(self.kv_caches, ids, payloads[:len(ids)])
-        except Exception:
-            # Registered but not written: they must never be hit.
-            self.kv.forget_blocks(ids)
-            logger.exception("loading %d KV blocks into the pool failed; computing them", len(ids))
-            return 0
-        return len(ids)
+            targets.append(LoadTargets(self.kv_caches, imported))
+            return targets[0].buffers
+
+        count = 0
+        try:
+            count = self.chain.load_into(lookup.candidates, reserve)
+            if targets:
+                targets[0].commit(count)
+        except Exception:   # store faults are counted inside; anything else is a bug
+            count = 0
+            logger.exception("loading KV blocks from the stores failed; computing them")
+        # Registered but not loaded: they must never be hit.
+        self.kv.forget_blocks(imported[count:])
+        return count
 
     def after_schedule(self) -> None:
         """Copies out what scheduling evicted, before the forward reuses those blocks."""

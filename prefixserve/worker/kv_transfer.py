@@ -6,7 +6,6 @@ head_dim] in the pool's dtype, little-endian as the pool holds it: the layout na
 """
 from __future__ import annotations
 
-import warnings
 from typing import Sequence
 
 import numpy as np
@@ -30,21 +29,52 @@ def read_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> 
     return data.view(torch.uint8).reshape(len(block_ids), -1).numpy()
 
 
-@torch.inference_mode()
-def write_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
-                 payloads: Sequence) -> None:
-    """Writes payloads (buffers of the layout above, already verified) into the blocks: one
-    copy per block and layer straight from the buffer, nothing staged."""
-    if not block_ids:
-        return
-    first = kv_caches[0]
-    _, _, bs, heads, dim = first.shape
-    shape = (len(kv_caches), 2, bs, heads, dim)
-    for block_id, payload in zip(block_ids, payloads):
-        with warnings.catch_warnings():
-            # Read-only buffers (bytes): the tensor is only read from, never written.
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.frombuffer(payload, dtype=torch.uint8)
-        data = data.view(first.dtype).view(shape).to(first.device)
-        for layer, cache in enumerate(kv_caches):
-            cache[:, block_id].copy_(data[layer])
+class LoadTargets:
+    """Where blocks loaded from a store are read to: each block's payload as writable buffers in
+    payload order (one per layer and K/V). On a CPU pool they are the pool's own memory, so a
+    store reads straight into it; elsewhere they are a host buffer that `commit` copies into
+    the pool."""
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
+                 direct: bool | None = None) -> None:
+        self.kv_caches = kv_caches
+        self.block_ids = list(block_ids)
+        if direct is None:
+            direct = all(c.device.type == "cpu" and c.is_contiguous() for c in kv_caches)
+        self.direct = direct
+        if self.direct:
+            self._staging = None
+            # Slices of one byte view per layer: a tensor view per block and layer costs
+            # more than the read it is for.
+            _, num_blocks, bs, heads, dim = kv_caches[0].shape
+            size = bs * heads * dim * kv_caches[0].element_size()
+            layers = [_bytes_of(cache) for cache in kv_caches]
+            self.buffers = [[layer[(kv * num_blocks + b) * size:(kv * num_blocks + b + 1) * size]
+                             for layer in layers for kv in (0, 1)] for b in self.block_ids]
+        else:
+            _, _, bs, heads, dim = kv_caches[0].shape
+            self._staging = torch.empty((len(self.block_ids), len(kv_caches), 2, bs, heads, dim),
+                                        dtype=kv_caches[0].dtype)
+            row = self._staging[0, 0, 0].numel() * self._staging.element_size()
+            flat = _bytes_of(self._staging)
+            self.buffers = [[flat[(i * 2 * len(kv_caches) + r) * row:
+                                  (i * 2 * len(kv_caches) + r + 1) * row]
+                             for r in range(2 * len(kv_caches))] for i in range(len(self.block_ids))]
+
+    @torch.inference_mode()
+    def commit(self, count: int) -> None:
+        """Makes the first `count` blocks' loaded payloads the pool's (a no-op when they were
+        read into it directly)."""
+        if self._staging is None or count == 0:
+            return
+        idx = torch.tensor(self.block_ids[:count], dtype=torch.long, device=self.kv_caches[0].device)
+        data = self._staging[:count].to(self.kv_caches[0].device)
+        for layer, cache in enumerate(self.kv_caches):
+            cache.index_copy_(1, idx, data[:, layer].transpose(0, 1))
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's own memory."""
+    if not t.is_contiguous():
+        raise ValueError("a load target must be contiguous memory")
+    return memoryview(t.view(-1).view(torch.uint8).numpy())

@@ -30,10 +30,21 @@ class KVStore(ABC):
     def get(self, key: str) -> Optional[bytes]:
         """The record under key, None if absent."""
 
-    def get_many(self, keys: Sequence[str]) -> list:
-        """The records under keys (None where absent), as buffers that stay valid until the
-        next get_many on this store; stores override it to overlap or batch the reads."""
-        return [self.get(k) for k in keys]
+    def read_into(self, key: str, buffers: Sequence[memoryview]) -> Optional[int]:
+        """Reads the record under key into `buffers`, filled one after the other, when its size
+        is their total size (a record of any other size cannot be the one expected and is not
+        read). Returns the record's size, None if absent. Stores that can read straight into
+        the buffers override it; this one copies what get returns."""
+        data = self.get(key)
+        if data is None:
+            return None
+        view = memoryview(data).cast("B")
+        if view.nbytes == sum(b.nbytes for b in buffers):
+            pos = 0
+            for b in buffers:
+                b[:] = view[pos:pos + b.nbytes]
+                pos += b.nbytes
+        return view.nbytes
 
     @abstractmethod
     def contains(self, keys: Sequence[str]) -> list[bool]:

@@ -2,7 +2,8 @@
 
 Lookups walk a request's chain of block hashes past the pool's hit: the next block is taken
 from the first store that holds it and whose record verifies, and the walk stops at the
-first block no store can serve. Writes go to the first store; what a store evicts spills to
+first block no store can serve. Blocks are read straight into the memory they are loaded
+into and verified there. Writes go to the first store; what a store evicts spills to
 the next one. A store that fails is counted and logged once, then left alone for a moment so
 a dead server costs one timeout per interval, not one per request; every fault is a miss.
 """
@@ -11,15 +12,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
 from prefixserve.kv.stores.base import KVStore, StoreError
-from prefixserve.kv.stores.record import BlockMeta, RecordError, decode, encode_parts
+from prefixserve.kv.stores.record import (CHECKSUM_BYTES, BlockMeta, RecordError, encode_head,
+                                          encode_parts, verify)
 from prefixserve.kv.stores.scope import KeyScope
 from prefixserve.kv.stores.stats import KVStoreStats
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 2.0
+# Blocks read and verified at once: enough to keep a disk's queue and both cores busy.
+_READERS = 4
 
 
 class StoreChain:
@@ -76,101 +81,97 @@ class StoreChain:
                     found[j] = i
         return found
 
-    def load(self, metas: Sequence[BlockMeta], payload_bytes: int) -> list[memoryview]:
-        """Payloads of the leading blocks of `metas` (consecutive blocks of one chain) that a
-        store holds and whose records verify against them; stops at the first block none can
-        serve. Runs of blocks held by one store are read in one batched call."""
+    def load_into(self, metas: Sequence[BlockMeta],
+                  reserve: Callable[[int], Sequence[Sequence[memoryview]]]) -> int:
+        """Loads the leading blocks of `metas` (consecutive blocks of one chain), each from the
+        first store that holds it and whose record verifies, and stops at the first block none
+        can serve. Once it knows how many leading blocks the stores hold, it asks
+        `reserve(n)` for where to put them: each block's payload as writable buffers in
+        payload order (for at most n blocks). Returns how many leading blocks were loaded: the
+        buffers after them may hold anything. A run of blocks held by one store is read and
+        verified in parallel."""
         where = self.holds([m.block_hash for m in metas])
         n = where.index(None) if None in where else len(where)
-        out: list[memoryview] = []
+        targets = reserve(n) if n else []
+        if len(targets) < n:
+            n, where = len(targets), where[:len(targets)]
+            metas = metas[:n]
         i = 0
         while i < n:
             s = where[i]
             j = i
             while j < n and where[j] == s:
                 j += 1
-            datas = self._get_many(s, [self.scope.key(m.block_hash) for m in metas[i:j]])
-            for k, data in zip(range(i, j), datas):
-                payload = self._verify(s, metas[k], data, payload_bytes)
+            ok = self._read_run(s, metas[i:j], targets[i:j])
+            for k in range(i, j):
                 served = s
-                if payload is None:
-                    found = self._load_one(metas[k], s + 1, payload_bytes)
-                    payload, served = found if found is not None else (None, len(self.stores))
-                # Every store before the one that served it (all of them on a miss) missed.
+                if not ok[k - i]:
+                    served = next((t for t in range(s + 1, len(self.stores))
+                                   if self._read_run(t, [metas[k]], [targets[k]])[0]),
+                                  len(self.stores))
                 with self._lock:
+                    # Every store before the one that served it (all of them on a miss) missed.
                     for m in range(served):
                         self._stats[m].misses += 1
-                if payload is None:
-                    return out
-                out.append(payload)
+                    if served < len(self.stores):
+                        self._stats[served].hits += 1
+                if served == len(self.stores):
+                    return k
             i = j
         if n < len(metas):
             with self._lock:
                 for st in self._stats:
                     st.misses += 1
-        return out
+        return n
 
-    def _get_many(self, i: int, keys: list[str]) -> list[Optional[bytes]]:
+    def _read_run(self, i: int, metas: Sequence[BlockMeta],
+                  targets: Sequence[Sequence[memoryview]]) -> list[bool]:
+        """Reads and verifies blocks from store i into their targets, a few at a time (reads
+        and checksums release the GIL); whether each was loaded. A record that fails
+        verification is counted, logged and deleted."""
         if not self._up(i):
-            return [None] * len(keys)
+            return [False] * len(metas)
+        store = self.stores[i]
+        payload_bytes = sum(b.nbytes for b in targets[0])
+
+        def one(k: int) -> tuple[Optional[int], Optional[RecordError]]:
+            head = encode_head(self._scope_digest, metas[k], payload_bytes)
+            got_head, checksum = bytearray(len(head)), bytearray(CHECKSUM_BYTES)
+            size = store.read_into(self.scope.key(metas[k].block_hash),
+                                   [memoryview(got_head), *targets[k], memoryview(checksum)])
+            if size is None:
+                return None, None
+            try:
+                verify(head, size, got_head, targets[k], checksum)
+            except RecordError as exc:
+                return size, exc
+            return size, None
+
         t0 = time.perf_counter()
         try:
-            datas = self.stores[i].get_many(keys)
+            if len(metas) == 1:
+                results = [one(0)]
+            else:
+                with ThreadPoolExecutor(_READERS, thread_name_prefix="prefixserve-kv-read") as pool:
+                    results = list(pool.map(one, range(len(metas))))
         except StoreError as exc:
             self._fault(i, exc)
-            return [None] * len(keys)
+            return [False] * len(metas)
         self._ok(i)
-        with self._lock:
-            self._stats[i].load_seconds += time.perf_counter() - t0
-        return datas
-
-    def _verify(self, i: int, meta: BlockMeta, data: Optional[bytes],
-                payload_bytes: int) -> Optional[memoryview]:
-        """The payload of a record read from store i, counted as a hit, or None (a record
-        that fails verification is counted, logged and deleted)."""
-        if data is None:
-            return None
-        t0 = time.perf_counter()
-        try:
-            payload = decode(data, self._scope_digest, meta, payload_bytes)
-        except RecordError as exc:
-            key = self.scope.key(meta.block_hash)
-            with self._lock:
-                self._stats[i].rejected += 1
-                self._stats[i].load_seconds += time.perf_counter() - t0
-            logger.info("KV store %s: record %s refused (%s); deleted", self.stores[i].display,
-                        key, exc)
-            self._delete_quietly(i, key)
-            return None
+        ok = []
         with self._lock:
             st = self._stats[i]
-            st.hits += 1
-            st.bytes_read += len(data)
             st.load_seconds += time.perf_counter() - t0
-        return payload
-
-    def _load_one(self, meta: BlockMeta, first: int,
-                  payload_bytes: int) -> Optional[tuple[memoryview, int]]:
-        """The block from the first store at or after `first` that serves it."""
-        key = self.scope.key(meta.block_hash)
-        for i in range(first, len(self.stores)):
-            if not self._up(i):
-                continue
-            # get, not get_many: blocks already taken from this store may live in the buffer
-            # its get_many reuses.
-            t0 = time.perf_counter()
-            try:
-                data = self.stores[i].get(key)
-            except StoreError as exc:
-                self._fault(i, exc)
-                continue
-            self._ok(i)
-            with self._lock:
-                self._stats[i].load_seconds += time.perf_counter() - t0
-            payload = self._verify(i, meta, data, payload_bytes)
-            if payload is not None:
-                return payload, i
-        return None
+            for size, error in results:
+                ok.append(size is not None and error is None)
+                st.bytes_read += size if ok[-1] else 0
+                st.rejected += error is not None
+        for meta, (size, error) in zip(metas, results):
+            if error is not None:
+                key = self.scope.key(meta.block_hash)
+                logger.info("KV store %s: record %s refused (%s); deleted", store.display, key, error)
+                self._delete_quietly(i, key)
+        return ok
 
     def _delete_quietly(self, i: int, key: str) -> None:
         try:

@@ -14,14 +14,12 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Optional, Sequence
 
 from prefixserve.kv.stores.base import KVStore, RecordParts, StoreError
 from prefixserve.kv.stores.url import StoreSpec
 
 SUFFIX = ".kvb"
-_READERS = 4
 _KEY = re.compile(r"([0-9a-f]{2,64})/([0-9a-f]{2,128})")
 logger = logging.getLogger(__name__)
 
@@ -37,7 +35,6 @@ class FileStore(KVStore):
         self._index: OrderedDict[str, int] = OrderedDict()   # key -> size, oldest first
         self._bytes = 0
         self._tmp_ids = itertools.count()
-        self._arena = bytearray()   # get_many's read buffer
         try:
             os.makedirs(self.root, exist_ok=True)
             self._load_index()
@@ -83,60 +80,35 @@ class FileStore(KVStore):
             return None
         except OSError as exc:
             raise StoreError(f"reading {path}: {exc}") from None
-        with self._lock:
-            if key in self._index:
-                self._index.move_to_end(key)
-            else:
-                self._index[key] = len(data)
-                self._bytes += len(data)
+        self._touch(key, len(data))
         return data
 
-    def get_many(self, keys: Sequence[str]) -> list[Optional[memoryview]]:
-        """Reads into one buffer this store keeps and reuses (fresh memory costs a page fault
-        per 4 KiB, more than the read): the records are views valid until the next call."""
-        files: list[Optional[object]] = []
-        sizes = []
+    def read_into(self, key: str, buffers: Sequence[memoryview]) -> Optional[int]:
+        """One scattered read (preadv) straight into the buffers (the pool's memory), nothing
+        staged. A file that shrinks while it is read comes back short and fails its checksum."""
+        path = self._path(key)
         try:
-            for key in keys:
-                try:
-                    f = open(self._path(key), "rb", buffering=0)
-                except FileNotFoundError:
-                    self._forget(key)
-                    files.append(None)
-                    sizes.append(0)
-                    continue
-                files.append(f)
-                sizes.append(os.fstat(f.fileno()).st_size)
-            if sum(sizes) > len(self._arena):
-                self._arena = bytearray(sum(sizes))
-            arena = memoryview(self._arena)
-            views, offset = [], 0
-            for size in sizes:
-                views.append(arena[offset:offset + size])
-                offset += size
-
-            def read(i: int) -> int:
-                return files[i].readinto(views[i]) if files[i] is not None else 0
-
-            # Reads release the GIL: a few at a time keep the disk's queue full.
-            with ThreadPoolExecutor(_READERS, thread_name_prefix="prefixserve-kv-read") as pool:
-                counts = list(pool.map(read, range(len(keys))))
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._forget(key)
+            return None
         except OSError as exc:
-            raise StoreError(f"reading from {self.root}: {exc}") from None
+            raise StoreError(f"reading {path}: {exc}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size == sum(b.nbytes for b in buffers):
+                done = 0
+                while done < size:
+                    n = os.preadv(fd, _after(buffers, done), done)
+                    if n == 0:
+                        return done
+                    done += n
+        except OSError as exc:
+            raise StoreError(f"reading {path}: {exc}") from None
         finally:
-            for f in files:
-                if f is not None:
-                    f.close()
-        out = []
-        with self._lock:
-            for key, f, view, n in zip(keys, files, views, counts):
-                if f is None:
-                    out.append(None)
-                    continue
-                if key in self._index:
-                    self._index.move_to_end(key)
-                out.append(view[:n])
-        return out
+            os.close(fd)
+        self._touch(key, size)
+        return size
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
@@ -189,6 +161,14 @@ class FileStore(KVStore):
                 logger.debug("evicting %s: %s", p, exc)
         return evicted
 
+    def _touch(self, key: str, size: int) -> None:
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+            else:
+                self._index[key] = size
+                self._bytes += size
+
     def _forget(self, key: str) -> None:
         with self._lock:
             size = self._index.pop(key, None)
@@ -212,3 +192,15 @@ class FileStore(KVStore):
     def usage(self) -> tuple[int, int]:
         with self._lock:
             return len(self._index), self._bytes
+
+
+def _after(buffers: Sequence[memoryview], offset: int) -> list[memoryview]:
+    """The buffers from byte `offset` of their concatenation on (after a partial read)."""
+    out = []
+    for b in buffers:
+        if offset >= b.nbytes:
+            offset -= b.nbytes
+            continue
+        out.append(b[offset:])
+        offset = 0
+    return out

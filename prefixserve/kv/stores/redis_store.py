@@ -11,7 +11,6 @@ from prefixserve.kv.stores.base import KVStore, RecordParts, StoreError
 from prefixserve.kv.stores.url import StoreSpec
 
 KEY_PREFIX = "prefixserve:kv:"
-_MGET_BATCH = 16
 
 
 class RedisStore(KVStore):
@@ -34,15 +33,6 @@ class RedisStore(KVStore):
 
     def get(self, key: str) -> Optional[bytes]:
         return self._call(self._client.get, KEY_PREFIX + key)
-
-    def get_many(self, keys: Sequence[str]) -> list[Optional[bytes]]:
-        if not keys:
-            return []
-        out: list[Optional[bytes]] = []
-        # Batches of a few blocks: one round trip each, no reply of gigabytes.
-        for i in range(0, len(keys), _MGET_BATCH):
-            out += self._call(self._client.mget, [KEY_PREFIX + k for k in keys[i:i + _MGET_BATCH]])
-        return out
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
