@@ -4,8 +4,8 @@ With AMX, oneDNN runs bfloat16 matmuls about 6x faster than float32 (1.2-2.1 vs 
 TFLOP/s on an Intel Xeon of this project) and decode reads half the bytes. avx512_bf16 alone
 says little: an AMD EPYC ran bfloat16 matmuls 2.3-2.8x faster than float32, while an Intel
 Xeon VM whose hypervisor withholds AMX ran them at 0.55x (149 vs 253 GFLOP/s, 2026-12-01). So
-without AMX, auto times one matmul in both dtypes at start (a few tens of ms) and takes
-bfloat16 only when it is clearly faster. Without either feature every bfloat16 product is
+without AMX, auto times one matmul in both dtypes at start (a few tens of ms, alternating
+the dtypes) and takes bfloat16 only when it is clearly faster. Without either feature every bfloat16 product is
 widened to float32 on the fly: float32. Off the CPU, auto keeps the checkpoint's own dtype.
 """
 from __future__ import annotations
@@ -69,21 +69,25 @@ def choose_dtype(requested: str, device: torch.device,
     return DtypeChoice(requested, "float32", "auto: the CPU has neither AMX nor avx512_bf16")
 
 
-def measure_bf16_speedup(rounds: int = 5) -> float:
-    """float32 time over bfloat16 time of a 256 x 1024 x 1024 matmul (a prefill chunk's shape),
-    best of `rounds` each, after a warm-up that builds oneDNN's primitives."""
+def measure_bf16_speedup(rounds: int = 9) -> float:
+    """float32 time over bfloat16 time of a 256 x 1024 x 1024 matmul (a prefill chunk's shape):
+    the fastest of `rounds` products in each dtype, the dtypes alternating, after a warm-up that
+    builds oneDNN's primitives. Timing each dtype in a burst of its own let one busy moment on a
+    shared machine slow one dtype only (a 0.6x machine once read 3.7x, and two engines in one
+    process chose different dtypes); alternating, each dtype's fastest round comes from the
+    quiet moments both had."""
     generator = torch.Generator().manual_seed(0)
     a, b = torch.randn(256, 1024, generator=generator), torch.randn(1024, 1024, generator=generator)
-
-    def best(x: torch.Tensor, y: torch.Tensor) -> float:
+    operands = ((a, b), (a.bfloat16(), b.bfloat16()))
+    best = [float("inf"), float("inf")]
+    for x, y in operands:
         torch.mm(x, y)
-        times = []
-        for _ in range(rounds):
+    for _ in range(rounds):
+        for i, (x, y) in enumerate(operands):
             start = time.perf_counter()
             torch.mm(x, y)
-            times.append(time.perf_counter() - start)
-        return min(times)
-    return best(a, b) / best(a.bfloat16(), b.bfloat16())
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0] / best[1]
 
 
 def _probe(name: str) -> bool:
