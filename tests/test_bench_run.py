@@ -86,6 +86,29 @@ def test_gguf_export_holds_every_tensor_unchanged(results) -> None:
     assert embed.dtype == torch.float32
 
 
+def test_q8_0_export_quantizes_every_matrix_within_its_block_scale(results) -> None:
+    """Q8_0 stores each block of 32 weights as int8 times the block's absmax / 127, that scale kept in
+    float16: every dequantized weight is within half a step, plus up to 127 steps times the scale's
+    rounding (2^-11 relative), of the original; norms stay exact."""
+    folder = checkpoint_folder("random:qwen3-tiny", "float32", 0, results.config.cache_dir)
+    reader = gguf.GGUFReader(str(gguf_path_for(folder, "Q8_0")))
+    tensors = {t.name: t for t in reader.tensors}
+    with safe_open(str(next(folder.glob("*.safetensors"))), framework="pt") as st:
+        q = st.get_tensor("model.layers.1.self_attn.q_proj.weight")
+        norm = st.get_tensor("model.layers.1.input_layernorm.weight")
+        count = len(list(st.keys()))
+    assert len(tensors) == count
+    stored = tensors["blk.1.attn_q.weight"]
+    assert stored.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    deq = torch.from_numpy(gguf.quants.dequantize(stored.data, stored.tensor_type).reshape(q.shape).copy())
+    step = q.view(q.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 127
+    err = (deq.view_as(step.expand(-1, -1, 32)) - q.view(q.shape[0], -1, 32)).abs()
+    assert bool((err <= step * (0.5 + 127 * 2 ** -11) + 1e-7).all())
+    assert float(err.mean()) < float(step.mean()) / 3    # rounding to nearest: a quarter step on average
+    assert np.array_equal(np.asarray(tensors["blk.1.attn_norm.weight"].data), norm.numpy())
+    assert reader.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q8_0
+
+
 def test_cli_rejects_unknown_workload(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "--workload", "nope"])

@@ -25,13 +25,17 @@ def reference(q, pool, tables, lens, scale):
     return torch.stack(outs), torch.stack(lses)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 @pytest.mark.parametrize("rows", [1, 2, 7, 32])
 @pytest.mark.parametrize("head_dim", [8, 64, 128])
-def test_matches_reference(kernel: PagedDecodeAttention, block_size: int, rows: int, head_dim: int) -> None:
+def test_matches_reference(kernel: PagedDecodeAttention, block_size: int, rows: int, head_dim: int,
+                           dtype: torch.dtype) -> None:
+    """A bfloat16 pool is attended in float32: the reference reads the same (bfloat16) values in
+    float64, so the tolerance is float32's either way."""
     gen = torch.Generator().manual_seed(block_size * 1000 + rows * 10 + head_dim)
     kv_heads, num_blocks, batch, width = 3, 23, 4, 6
-    pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen) * 2
+    pool = (torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen) * 2).to(dtype)
     q = torch.randn(batch, kv_heads, rows, head_dim, generator=gen)
     # distinct random blocks per sequence, lengths cutting into the middle of a block
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in range(batch)])

@@ -86,6 +86,20 @@ def test_long_chunk_over_a_long_cached_context(kernel: PagedPrefillAttention) ->
     torch.testing.assert_close(case.run(kernel).double(), case.expected(), rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 136])
+def test_a_bfloat16_pool_is_attended_in_float32(kernel: PagedPrefillAttention, head_dim: int) -> None:
+    """A bfloat16 pool and queries give the float32 kernel's result on the same values, rounded once
+    (bit for bit: widening is exact), and so the float64 reference within one bfloat16 rounding."""
+    case = Case(21, CHUNKS, block_size=16, head_dim=head_dim, group=2)
+    case.pool, case.q = case.pool.bfloat16().float(), case.q.bfloat16().float()
+    wide = case.run(kernel)
+    half = kernel(case.q.bfloat16(), case.pool.bfloat16(), case.starts, case.lens, case.tables, case.scale)
+    assert half.dtype == torch.bfloat16
+    assert torch.equal(half, wide.bfloat16())
+    expected = case.expected()
+    torch.testing.assert_close(half.double(), expected, rtol=2 ** -8, atol=2e-5)
+
+
 def test_thread_counts_give_identical_results(kernel: PagedPrefillAttention) -> None:
     """Work items are split differently for different thread counts; every row must come out the same."""
     case = Case(8, CHUNKS, block_size=5, head_dim=64, group=2)

@@ -19,7 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "weights and dtype, and prints a markdown table.")
     p.add_argument("--model", default="random:qwen3-0.6b",
                    help="random:<preset> or a local HF checkpoint folder (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", action="append", choices=("float32", "bfloat16", "float16"),
+                   help="repeatable: the whole benchmark runs once per dtype, each against the machine's limits "
+                        "measured in that dtype (default: float32)")
     p.add_argument("--workload", action="append", choices=WORKLOAD_NAMES + STORE_WORKLOADS, metavar="NAME",
                    help=f"repeatable; default: all of {', '.join(WORKLOAD_NAMES)}; the KV store workloads "
                         f"{', '.join(STORE_WORKLOADS)} run only when named (prefixserve/benchmarks/kv_store_bench.py)")
@@ -51,21 +53,30 @@ def run(args: argparse.Namespace) -> int:
         return _run_online(args, workloads, console)
     from prefixserve.benchmarks.report import to_markdown, write_json, write_plots
     from prefixserve.benchmarks.runner import BenchConfig, run_benchmark
-    config = BenchConfig(model=args.model, dtype=args.dtype, workloads=workloads,
-                         engines=tuple(args.engine or ENGINE_NAMES), quick=args.quick, threads=args.threads,
-                         seed=args.seed, cache_dir=args.cache_dir, llama_kv_f32=not args.llama_kv_f16)
-    results = run_benchmark(config, console)
-    text = to_markdown(results)
-    print(text)
+    dtypes = _dtypes(args)
+    texts = []
+    for dtype in dtypes:
+        config = BenchConfig(model=args.model, dtype=dtype, workloads=workloads,
+                             engines=tuple(args.engine or ENGINE_NAMES), quick=args.quick, threads=args.threads,
+                             seed=args.seed, cache_dir=args.cache_dir, llama_kv_f32=not args.llama_kv_f16)
+        results = run_benchmark(config, console)
+        texts.append(to_markdown(results))
+        print(texts[-1])
+        # one file or folder per dtype when there are several
+        suffix = f"-{dtype}" if len(dtypes) > 1 else ""
+        if args.json:
+            write_json(results, args.json.with_name(f"{args.json.stem}{suffix}{args.json.suffix}"))
+        if args.plot:
+            for path in write_plots(results, args.plot / dtype if suffix else args.plot):
+                console.print(f"wrote {path}")
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text + "\n")
-    if args.json:
-        write_json(results, args.json)
-    if args.plot:
-        for path in write_plots(results, args.plot):
-            console.print(f"wrote {path}")
+        args.markdown.write_text("\n\n".join(texts) + "\n")
     return 0
+
+
+def _dtypes(args: argparse.Namespace) -> list[str]:
+    return list(dict.fromkeys(args.dtype or ["float32"]))
 
 
 def _run_store_workloads(args: argparse.Namespace, store_workloads: tuple[str, ...],
@@ -76,7 +87,10 @@ def _run_store_workloads(args: argparse.Namespace, store_workloads: tuple[str, .
     if others or args.online:
         raise ValueError(f"run the KV store workloads ({', '.join(store_workloads)}) on their own, "
                          "offline: each starts its own engines and processes")
-    config = StoreBenchConfig(model=args.model, dtype=args.dtype, quick=args.quick, threads=args.threads,
+    dtypes = _dtypes(args)
+    if len(dtypes) > 1:
+        raise ValueError("the KV store workloads run in one dtype at a time")
+    config = StoreBenchConfig(model=args.model, dtype=dtypes[0], quick=args.quick, threads=args.threads,
                               seed=args.seed, workdir=args.cache_dir)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     text, data = run_store_benchmarks(config, store_workloads)

@@ -58,7 +58,29 @@ def _special_id(folder: Path, key: str, tokens: list[str]) -> int | None:
     return tokens.index(value) if value in tokens else None
 
 
-def export_gguf(folder: Path, out: Path) -> Path:
+# The quantized exports: llama.cpp users run quantized GGUFs; reported alongside, compared with nothing.
+QUANTS = {"Q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
+
+
+def _quantizes(shape: tuple[int, ...], quant: str | None) -> bool:
+    """Whether a tensor is stored quantized: matrices whose rows split into whole quantization blocks
+    (norms and biases stay as they are, as llama.cpp's converter keeps them)."""
+    if quant is None or len(shape) != 2:
+        return False
+    block, _ = gguf.GGML_QUANT_SIZES[QUANTS[quant][0]]
+    return shape[-1] % block == 0
+
+
+def _stored_dtype(shape: tuple[int, ...], dtype: torch.dtype) -> torch.dtype:
+    """Vectors (norm weights, biases) in float32 whatever the matrices' dtype: llama.cpp's CPU ops take
+    them only so (a bfloat16 norm weight aborts its multiply), and its own converter stores them so."""
+    return torch.float32 if len(shape) == 1 else dtype
+
+
+def export_gguf(folder: Path, out: Path, quant: str | None = None) -> Path:
+    """The checkpoint as a GGUF file, in its own dtype, or with its matrices quantized (`quant` in QUANTS)."""
+    if quant is not None and quant not in QUANTS:
+        raise ValueError(f"quant must be one of {sorted(QUANTS)}, got {quant!r}")
     config_dict = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     config = ModelConfig.from_hf_config(config_dict)
     if config.rope_scaling is not None:
@@ -112,24 +134,35 @@ def export_gguf(folder: Path, out: Path) -> Path:
         tensor_dtype = _SAFETENSORS_DTYPES[sl.get_dtype()]
         dtype = dtype or tensor_dtype
         shape = tuple(sl.get_shape())
-        np_dtype, raw = _STORAGE[tensor_dtype]
-        nbytes = int(np.prod(shape)) * torch.tensor([], dtype=tensor_dtype).element_size()
+        if _quantizes(shape, quant):
+            qtype = QUANTS[quant][0]
+            block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            byte_shape = (*shape[:-1], shape[-1] // block * block_bytes)
+            writer.add_tensor_info(mapped, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype)
+            continue
+        stored = _stored_dtype(shape, tensor_dtype)
+        np_dtype, raw = _STORAGE[stored]
+        nbytes = int(np.prod(shape)) * torch.tensor([], dtype=stored).element_size()
         writer.add_tensor_info(mapped, shape, np.dtype(np_dtype), nbytes, raw_dtype=raw)
-    writer.add_file_type(_FILE_TYPE[dtype])
+    writer.add_file_type(QUANTS[quant][1] if quant else _FILE_TYPE[dtype])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for path, name, _ in names:
-        writer.write_tensor_data(_as_numpy(readers[path].get_tensor(name)))
+        tensor = readers[path].get_tensor(name)
+        if _quantizes(tuple(tensor.shape), quant):
+            writer.write_tensor_data(gguf.quants.quantize(tensor.float().numpy(), QUANTS[quant][0]))
+        else:
+            writer.write_tensor_data(_as_numpy(tensor.to(_stored_dtype(tuple(tensor.shape), tensor.dtype))))
     writer.close()
     return out
 
 
-def gguf_path_for(folder: Path) -> Path:
-    """The GGUF file next to a checkpoint folder, written on first use."""
-    out = folder / "model.gguf"
+def gguf_path_for(folder: Path, quant: str | None = None) -> Path:
+    """The GGUF file next to a checkpoint folder (in its dtype, or quantized), written on first use."""
+    out = folder / (f"model-{quant.lower()}.gguf" if quant else "model.gguf")
     if not out.is_file():
-        tmp = folder / "model.gguf.partial"
-        export_gguf(folder, tmp)
+        tmp = out.with_suffix(".gguf.partial")
+        export_gguf(folder, tmp, quant)
         tmp.rename(out)
     return out

@@ -13,7 +13,7 @@ from prefixserve.benchmarks.runner import BenchResults
 from prefixserve.benchmarks.targets import Target, evaluate_targets
 
 ENGINE_ORDER = ("prefixserve", "prefixserve-warm", "prefixserve-nocache", "prefixserve-unsalted", "hf-padded",
-                "hf-reuse", "llama.cpp")
+                "hf-reuse", "llama.cpp", "llama.cpp-q8_0")
 
 
 def _engine_key(name: str) -> int:
@@ -122,7 +122,7 @@ def _agreement_md(res: BenchResults, name: str) -> list[str]:
     if ref is None:
         return []
     parts = []
-    for other in ("prefixserve-nocache", "prefixserve-warm", "hf-padded", "hf-reuse", "llama.cpp"):
+    for other in ("prefixserve-nocache", "prefixserve-warm", "hf-padded", "hf-reuse", "llama.cpp", "llama.cpp-q8_0"):
         run = _run(res, other, name)
         if run is not None:
             same, n = output_agreement(ref, run)

@@ -131,8 +131,9 @@ def run_benchmark(config: BenchConfig, console: Optional[Console] = None) -> Ben
             _run_prefixserve(config, folder, workloads, progress, results)
         if {"hf-padded", "hf-reuse"} & set(config.engines):
             _run_hf(config, folder, workloads, progress, results)
-        if "llama.cpp" in config.engines:
-            _run_llama_cpp(config, folder, workloads, progress, results)
+        for quant, name in ((None, "llama.cpp"), ("Q8_0", "llama.cpp-q8_0")):
+            if name in config.engines:
+                _run_llama_cpp(config, folder, workloads, progress, results, quant, name)
     results.seconds = time.monotonic() - started
     return results
 
@@ -211,16 +212,18 @@ def _run_hf(config: BenchConfig, folder: Path, workloads: dict[str, Workload], p
 
 
 def _run_llama_cpp(config: BenchConfig, folder: Path, workloads: dict[str, Workload], progress: _Progress,
-                   results: BenchResults) -> None:
+                   results: BenchResults, quant: Optional[str], name: str) -> None:
+    """llama.cpp on the checkpoint's weights exported to GGUF in the benchmark's dtype, or quantized (`quant`,
+    reported as `name`)."""
     from prefixserve.benchmarks.engines.base import tokenizer_vocab_size
     from prefixserve.benchmarks.engines.llama_cpp_engine import LlamaCppEngine, llama_cpp_available
     from prefixserve.benchmarks.gguf_export import gguf_path_for
     why = llama_cpp_available()
     if why is not None:
-        results.skipped["llama.cpp"] = why
-        progress.note(f"[yellow]llama.cpp skipped: {why}")
+        results.skipped[name] = why
+        progress.note(f"[yellow]{name} skipped: {why}")
         return
-    gguf = gguf_path_for(folder)
+    gguf = gguf_path_for(folder, quant)
     longest = max(len(r.prompt_token_ids) + r.max_tokens for w in workloads.values() for r in w.requests)
     engine = LlamaCppEngine(gguf, threads=config.threads, n_ctx=max(512, longest + 64), kv_f32=config.llama_kv_f32,
                             vocab_limit=tokenizer_vocab_size(folder))
@@ -232,6 +235,6 @@ def _run_llama_cpp(config: BenchConfig, folder: Path, workloads: dict[str, Workl
             budget = {}
             if w.kv_blocks is not None:
                 budget["cache_bytes"] = w.kv_blocks * 16 * results.cost.kv_bytes_per_token
-            results.runs.append(progress.run(engine, w, **budget))
+            results.runs.append(progress.run(engine, w, label=name, **budget))
     finally:
         engine.close()

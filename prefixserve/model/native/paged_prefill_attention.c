@@ -1,4 +1,6 @@
 /* Causal prefill attention read from the paged KV pool, blocked like a GEMM, float32, AVX2 + FMA.
+ * The pool may hold float32 or bfloat16: keys are widened to float32 as they are packed, so the
+ * products and the softmax run in float32 in both cases.
  *
  * Sequence b owns the query rows q[starts[b] : starts[b + 1]] of the flat batch; query i of
  * its n rows sits at position seq_lens[b] - n + i and sees keys 0..that position, whose K/V
@@ -209,25 +211,46 @@ static inline void gather_transposed(const float* const* rows, int n, long col, 
     for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + i * ldd, r[i]);
 }
 
-/* One panel of 16 keys, the first being key `first`, out of the pool: K rows (V rows lie v_offset
- * floats after them) into the transposed panel kt [D][16], V into the column slabs of vr: slab c
- * holds `keys` rows of w = min(16, D - c) floats from vr + c * keys on. */
-static void pack_panel(const float* const* rows, long v_offset, long d, float* kt, float* vr, long keys,
-                       long first) {
-    const __m256 one = _mm256_set1_ps(1.0f);
+/* 8 pool elements from element `at` on, widened to float: the pool holds float32 or, with bf16 set,
+ * bfloat16 (whose bits are a float's upper half); everything after packing is float32 either way */
+static inline __m256 pool_load8(const void* pool, int bf16, long at) {
+    if (bf16) {
+        __m128i h = _mm_loadu_si128((const __m128i*)((const unsigned short*)pool + at));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float*)pool + at);
+}
+
+/* elements col..col+8 of the 8 pool rows starting at elements at[0..8) (negative: zeros) transposed
+ * into dst[i * ldd + 0..8) */
+static inline void gather_transposed_pool(const void* pool, int bf16, const long* at, long col, float* dst,
+                                          long ldd) {
+    __m256 r[8];
+    for (int i = 0; i < 8; i++) r[i] = at[i] >= 0 ? pool_load8(pool, bf16, at[i] + col) : _mm256_setzero_ps();
+    transpose8(r);
+    for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + i * ldd, r[i]);
+}
+
+/* One panel of 16 keys, the first being key `first`, out of the pool: K rows (at[j]: the element
+ * where key j's row starts, negative past the sequence; V rows lie v_offset elements after them)
+ * into the transposed panel kt [D][16], V into the column slabs of vr: slab c holds `keys` rows of
+ * w = min(16, D - c) floats from vr + c * keys on. */
+static void pack_panel(const void* pool, int bf16, const long* at, long v_offset, long d, float* kt, float* vr,
+                       long keys, long first) {
     for (long e = 0; e < d; e += 8) {
-        gather_transposed(rows, 8, e, one, kt + e * KP, KP);
-        gather_transposed(rows + 8, 8, e, one, kt + e * KP + 8, KP);
+        gather_transposed_pool(pool, bf16, at, e, kt + e * KP, KP);
+        gather_transposed_pool(pool, bf16, at + 8, e, kt + e * KP + 8, KP);
     }
     for (long jj = 0; jj < KP; jj++) {
-        const float* v = rows[jj] ? rows[jj] + v_offset : NULL;
+        const long v = at[jj] >= 0 ? at[jj] + v_offset : -1;
         long c = 0;
         for (; c + 16 <= d; c += 16) {
             float* dst = vr + c * keys + (first + jj) * 16;
-            _mm256_storeu_ps(dst, v ? _mm256_loadu_ps(v + c) : _mm256_setzero_ps());
-            _mm256_storeu_ps(dst + 8, v ? _mm256_loadu_ps(v + c + 8) : _mm256_setzero_ps());
+            _mm256_storeu_ps(dst, v >= 0 ? pool_load8(pool, bf16, v + c) : _mm256_setzero_ps());
+            _mm256_storeu_ps(dst + 8, v >= 0 ? pool_load8(pool, bf16, v + c + 8) : _mm256_setzero_ps());
         }
-        if (c < d) _mm256_storeu_ps(vr + c * keys + (first + jj) * 8, v ? _mm256_loadu_ps(v + c) : _mm256_setzero_ps());
+        if (c < d)
+            _mm256_storeu_ps(vr + c * keys + (first + jj) * 8, v >= 0 ? pool_load8(pool, bf16, v + c) : _mm256_setzero_ps());
     }
 }
 
@@ -275,7 +298,7 @@ static long block_tokens(long group, long work_tokens_heads, int threads) {
     return nt;
 }
 
-void paged_prefill_attention(const float* q, long q_stride, const float* pool, const long* tables,
+void paged_prefill_attention(const float* q, long q_stride, const void* pool, int pool_bf16, const long* tables,
                              const long* seq_lens, const long* starts, long batch, long heads,
                              long kv_heads, long head_dim, long num_blocks, long block_size, long table_width,
                              long min_qlen, float scale, float* out, float* work, int threads) {
@@ -328,14 +351,15 @@ void paged_prefill_attention(const float* q, long q_stride, const float* pool, c
             long rest = (at - offset[b]) / (2 * d * KP);
             long npan = round_up(seq_lens[b], KP) / KP, pan = rest / kv_heads, h = rest % kv_heads;
             float* kt = work + offset[b] + h * 2 * npan * KP * d;
-            const float* rows[KP];        /* the panel's K rows in the pool, NULL past the sequence */
+            long rows[KP];                /* where the panel's K rows start in the pool, -1 past the sequence */
             for (long jj = 0; jj < KP; jj++) {
                 long j = pan * KP + jj;
                 long slot = j < seq_lens[b] ? tables[b * table_width + j / block_size] * block_size + j % block_size : 0;
-                rows[jj] = j < seq_lens[b] ? pool + slot * token_stride + h * d : NULL;
+                rows[jj] = j < seq_lens[b] ? slot * token_stride + h * d : -1;
             }
             /* the V pool follows the K pool */
-            pack_panel(rows, num_blocks * block_stride, d, kt + pan * KP * d, kt + npan * KP * d, npan * KP, pan * KP);
+            pack_panel(pool, pool_bf16, rows, num_blocks * block_stride, d, kt + pan * KP * d, kt + npan * KP * d,
+                       npan * KP, pan * KP);
         }
         /* the barrier closing the loop above: every panel is packed before any item reads one */
 

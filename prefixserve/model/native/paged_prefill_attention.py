@@ -2,8 +2,8 @@
 
 Used by the torch backend (`model/attention/torch_paged.py`) for every query chunk of more
 than one token in a step, fresh prompts and chunks continuing a cached context alike, for
-float32 pools on AVX2 CPUs. The CPU flash kernel behind F.scaled_dot_product_attention
-reaches about a third of the matmul peak on causal prefill, and a chunk over a cached
+float32 and bfloat16 pools on AVX2 CPUs (a bfloat16 pool is widened to float32 as it is
+packed). The CPU flash kernel behind F.scaled_dot_product_attention reaches about a third of the matmul peak on causal prefill, and a chunk over a cached
 context first needs a gathered copy of it; this kernel packs each head's keys once and
 runs register-tiled QK^T and PV products over them (see docs/architecture.md).
 """
@@ -31,7 +31,8 @@ class PagedPrefillAttention:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fn = library.paged_prefill_attention
         self._fn.restype = None
-        self._fn.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 8
+        self._fn.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+                             + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 8
                              + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int])
         self._workspace = library.paged_prefill_workspace
         self._workspace.restype = ctypes.c_long
@@ -39,15 +40,19 @@ class PagedPrefillAttention:
 
     @staticmethod
     def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        return (q.device.type == "cpu" and q.dtype == torch.float32 and kv_cache.dtype == torch.float32
-                and kv_cache.device.type == "cpu" and kv_cache.is_contiguous() and q.shape[-1] % 8 == 0)
+        # A bfloat16 pool is widened to float32 as the kernel packs it; its queries are widened
+        # here (a few rows) and the float32 result rounded once into the caller's dtype.
+        return (q.device.type == "cpu" and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
+                and q.dtype == kv_cache.dtype and q.dtype in (torch.float32, torch.bfloat16)
+                and q.shape[-1] % 8 == 0)
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                  seq_lens: torch.Tensor, tables: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
                  min_query_len: int = 1,
                  scratch: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
         """Writes the rows of the sequences with at least min_query_len queries into `out` (a new
-        tensor, zero elsewhere, when not given) and returns it. `scratch(n)`: at least n contiguous
+        tensor, zero elsewhere, when not given) and returns it; with a bfloat16 pool the other rows
+        of `out` are zeroed too. `scratch(n)`: at least n contiguous
         float32 elements the call may overwrite (each served sequence's keys, packed per KV head), for
         callers that keep one buffer across calls; a fresh tensor when None."""
         tokens, heads, head_dim = q.shape
@@ -59,7 +64,8 @@ class PagedPrefillAttention:
                              f"query_start_loc {tuple(query_start_loc.shape)}, seq_lens {tuple(seq_lens.shape)}, "
                              f"tables {tuple(tables.shape)}")
         if not self.supports(q, kv_cache):
-            raise ValueError("needs float32 CPU tensors, a contiguous pool and head_dim % 8 == 0")
+            raise ValueError("needs float32 or bfloat16 CPU tensors (q and pool alike), a contiguous pool "
+                             "and head_dim % 8 == 0")
         if tables.dtype != torch.int64 or seq_lens.dtype != torch.int64 or query_start_loc.dtype != torch.int64:
             raise ValueError("query_start_loc, seq_lens and tables must be int64")
         query_start_loc, seq_lens, tables = query_start_loc.contiguous(), seq_lens.contiguous(), tables.contiguous()
@@ -68,18 +74,24 @@ class PagedPrefillAttention:
                                min_query_len, tokens, tables.shape[1] * block_size)
         if need < 0:
             raise ValueError(_ERRORS[need])
-        if q.stride(2) != 1 or q.stride(1) != head_dim:
+        bf16 = kv_cache.dtype == torch.bfloat16
+        if bf16:
+            q = q.float()
+        elif q.stride(2) != 1 or q.stride(1) != head_dim:
             q = q.contiguous()
         if out is None:
-            out = torch.zeros(tokens, heads, head_dim, dtype=torch.float32)
-        elif out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous float32 tensor of shape {tuple(q.shape)}")
+            out = torch.zeros(tokens, heads, head_dim, dtype=kv_cache.dtype)
+        elif out.shape != q.shape or out.dtype != kv_cache.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {kv_cache.dtype} tensor of shape {tuple(q.shape)}")
+        result = torch.zeros(tokens, heads, head_dim, dtype=torch.float32) if bf16 else out
         work = torch.empty(need, dtype=torch.float32) if scratch is None else scratch(need)
         if work.numel() < need or work.dtype != torch.float32 or not work.is_contiguous():
             raise ValueError(f"scratch must give {need} contiguous float32 elements")
-        self._fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
+        self._fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), int(bf16), tables.data_ptr(), seq_lens.data_ptr(),
                  query_start_loc.data_ptr(), batch, heads, kv_heads, head_dim, num_blocks, block_size,
-                 tables.shape[1], min_query_len, scale, out.data_ptr(), work.data_ptr(), torch.get_num_threads())
+                 tables.shape[1], min_query_len, scale, result.data_ptr(), work.data_ptr(), torch.get_num_threads())
+        if bf16:
+            out.copy_(result)
         return out
 
 
@@ -89,13 +101,17 @@ _ERRORS = {-1: "query_start_loc must rise within the rows of q",
 
 
 def _agrees_with_torch(kernel: PagedPrefillAttention) -> bool:
-    """Two sequences (a fresh prompt, a chunk over a cached prefix) against masked plain matmuls."""
+    """Two sequences (a fresh prompt, a chunk over a cached prefix) against masked plain matmuls, on a
+    float32 pool and on the same values held in bfloat16."""
     gen = torch.Generator().manual_seed(0)
-    pool = torch.randn(2, 7, 4, 2, 16, generator=gen)
-    q = torch.randn(8, 4, 16, generator=gen)
+    pool = torch.randn(2, 7, 4, 2, 16, generator=gen).bfloat16().float()
+    q = torch.randn(8, 4, 16, generator=gen).bfloat16().float()
     tables = torch.tensor([[3, 0, 0], [5, 1, 6]])
     starts, lens = torch.tensor([0, 3, 8]), torch.tensor([3, 11])
     out = kernel(q, pool, starts, lens, tables, 0.25)
+    half = kernel(q.bfloat16(), pool.bfloat16(), starts, lens, tables, 0.25)
+    if not torch.equal(half, out.bfloat16()):
+        return False
     for b in range(2):
         keys = pool[0][tables[b]].flatten(0, 1)[: lens[b]].repeat_interleave(2, dim=1).transpose(0, 1)
         values = pool[1][tables[b]].flatten(0, 1)[: lens[b]].repeat_interleave(2, dim=1).transpose(0, 1)
