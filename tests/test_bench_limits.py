@@ -6,7 +6,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from prefixserve.benchmarks.checkpoint import hf_config_dict
-from prefixserve.benchmarks.limits import (MachineLimits, ModelCost, ideal_decode_steps_per_s,
+from prefixserve.benchmarks.limits import (MachineLimits, ModelCost, batched_decode_bound_s, ideal_decode_steps_per_s,
                                            ideal_prefill_tokens_per_s, ideal_workload_seconds, measure_bandwidth,
                                            measure_matmul)
 from prefixserve.benchmarks.workloads import BenchRequest, Workload
@@ -61,6 +61,24 @@ def test_decode_reads_weights_once_and_every_sequences_kv() -> None:
     # Memory-bound limits take the bandwidth; compute-bound ones the FLOPs.
     assert ideal_decode_steps_per_s(cost, _limits(1e15, 1e9), [10, 20]) == pytest.approx(1e9 / nbytes)
     assert ideal_decode_steps_per_s(cost, _limits(1e3, 1e15), [10, 20]) == pytest.approx(1e3 / flops)
+
+
+def test_batched_decode_bound_reads_a_shared_prefix_once() -> None:
+    """16 sequences of a 1024-token shared document + 40 own tokens: the weights, the document's K/V
+    once and each sequence's own K/V (counted by hand), or the FLOPs, whichever is slower."""
+    cost = ModelCost(RANDOM_PRESETS["qwen3-tiny"], 4)
+    c = cost.config
+    contexts = [1024 + 40] * 16
+    weights = (cost.body_params + cost.head_params) * 4
+    kv_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
+    memory_bound = _limits(1e18, 1e9)
+    assert batched_decode_bound_s(cost, memory_bound, contexts, 1024) == pytest.approx(
+        (weights + kv_per_token * (1024 + 16 * 40)) / 1e9)
+    # nothing shared: every sequence's K/V, as the unshared decode step counts it
+    assert batched_decode_bound_s(cost, memory_bound, contexts, 0) == pytest.approx(
+        1 / ideal_decode_steps_per_s(cost, memory_bound, contexts))
+    flops, _ = cost.decode_step(contexts)
+    assert batched_decode_bound_s(cost, _limits(1e3, 1e18), contexts, 1024) == pytest.approx(flops / 1e3)
 
 
 def test_workload_ideal_time_counts_only_uncached_tokens() -> None:

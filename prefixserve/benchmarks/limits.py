@@ -98,6 +98,16 @@ class ModelCost:
         return flops, weights + self.kv_bytes_per_token * sum(contexts)
 
 
+def batched_decode_bound_s(cost: ModelCost, limits: MachineLimits, contexts: list[int], shared: int) -> float:
+    """The shortest possible decode step for sequences at these context lengths whose first `shared`
+    positions are one run of K/V they all share: every weight and each distinct K/V byte read once
+    at the measured bandwidth, or every FLOP at the measured peak, whichever takes longer."""
+    flops, _ = cost.decode_step(contexts)
+    distinct = shared + sum(c - shared for c in contexts)
+    nbytes = (cost.body_params + cost.head_params) * cost.bytes_per_param + cost.kv_bytes_per_token * distinct
+    return max(flops / limits.matmul_flops, nbytes / limits.bandwidth_bytes)
+
+
 def ideal_prefill_tokens_per_s(cost: ModelCost, limits: MachineLimits, num_tokens: int) -> float:
     return num_tokens / (cost.prefill_flops(num_tokens) / limits.matmul_flops)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Optional
 
 from prefixserve.benchmarks.figures import Figures, figures_of, output_agreement
-from prefixserve.benchmarks.limits import ideal_decode_steps_per_s, ideal_prefill_tokens_per_s, \
-    ideal_workload_seconds
+from prefixserve.benchmarks.limits import batched_decode_bound_s, ideal_decode_steps_per_s, \
+    ideal_prefill_tokens_per_s, ideal_workload_seconds
 from prefixserve.benchmarks.runner import BenchResults
 from prefixserve.benchmarks.targets import Target, evaluate_targets
 
@@ -27,7 +27,24 @@ def all_figures(res: BenchResults) -> list[Figures]:
 
 def targets_of(res: BenchResults) -> list[Target]:
     ideal = {name: w.ideal_computed_tokens() for name, w in res.workloads.items()}
-    return evaluate_targets(res.runs, ideal, res.roofline)
+    return evaluate_targets(res.runs, ideal, res.roofline, decode_bounds(res))
+
+
+def decode_bounds(res: BenchResults) -> dict[str, float]:
+    """Per workload whose requests all share one prefix and arrive in one round: the batched-decode
+    step's bound (limits.batched_decode_bound_s) halfway through the outputs, in seconds."""
+    out = {}
+    for name, w in res.workloads.items():
+        if len(w.rounds) != 1 or len(w.rounds[0]) < 2:
+            continue
+        rnd = w.rounds[0]
+        shared = min(r.shared_prefix_len for r in rnd)
+        if shared == 0:
+            continue
+        step = max(r.max_tokens for r in rnd) // 2
+        contexts = [len(r.prompt_token_ids) + step for r in rnd]
+        out[name] = batched_decode_bound_s(res.cost, res.limits, contexts, shared)
+    return out
 
 
 def _run(res: BenchResults, engine: str, workload: str):

@@ -33,7 +33,9 @@ def _at_most(name: str, wanted: float, measured: Optional[float], detail: str, u
     return Target(name, f"<= {wanted:g}{unit}", measured, met, detail)
 
 
-def evaluate_targets(runs: list[RunResult], ideal_computed: dict[str, int], roofline: dict) -> list[Target]:
+def evaluate_targets(runs: list[RunResult], ideal_computed: dict[str, int], roofline: dict,
+                     decode_bounds: Optional[dict[str, float]] = None) -> list[Target]:
+    """decode_bounds: per workload, the batched-decode step bound in seconds (report.decode_bounds)."""
     wall = {(r.engine, r.workload): r.wall_s for r in runs}
     computed = {(r.engine, r.workload): r.computed_prompt_tokens for r in runs}
 
@@ -67,6 +69,15 @@ def evaluate_targets(runs: list[RunResult], ideal_computed: dict[str, int], roof
                          "measured steps/s / (bandwidth / bytes read per step)", unit=""))
     out.append(_at_most("warm TTFT of a cached long prefix vs prefilling only its suffix", 1.5,
                         warm and warm["ratio"], "TTFT(prefix cached + new suffix) / TTFT(the suffix alone)"))
+    tpot = {r.workload: r for r in runs if r.engine == ps}
+    bound = (decode_bounds or {}).get("long-doc-qa")
+    if bound and "long-doc-qa" in tpot:
+        tpots = sorted(t for t in (rec.tpot_s for rec in tpot["long-doc-qa"].records) if t is not None)
+        if tpots:
+            out.append(_at_most("long-doc-qa: batched-decode TPOT vs its bound", 1.5,
+                                statistics.median(tpots) / bound,
+                                f"TPOT p50 / bound ({bound * 1e3:.0f} ms: weights + each distinct K/V byte "
+                                f"over the bandwidth, or FLOPs over the peak)"))
     for w in SHARED_PREFIX_WORKLOADS:
         r = ratio(("llama.cpp", w), (ps, w))
         if r is not None:
