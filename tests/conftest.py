@@ -51,3 +51,17 @@ def redis_server(tmp_path: Path):
     server.start()
     yield server
     server.kill()
+
+
+@pytest.fixture()
+def client(server):
+    """The official OpenAI client on the module's `server` (a LiveServer)."""
+    import openai
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture()
+def claude(server):
+    """The official Anthropic client on the module's `server` (a LiveServer)."""
+    import anthropic
+    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)

@@ -81,11 +81,6 @@ def oai(server) -> openai.OpenAI:
 
 
 @pytest.fixture()
-def claude(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture()
 def http(server):
     with httpx.Client(base_url=server.base_url, timeout=120) as c:
         yield c

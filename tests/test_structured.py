@@ -17,7 +17,7 @@ from prefixserve import LLM, SamplingParams
 from prefixserve.errors import InvalidRequestError
 from prefixserve.structured import StructuredOutput
 from prefixserve.structured.grammar import GrammarCompiler
-from prefixserve.structured.mask import apply_bitmasks
+from prefixserve.structured.mask import add_bias, mask_bias
 from prefixserve.worker.sampler import Sampler, SamplingRow
 
 ENGINE = dict(model="random:qwen3-tiny", seed=0, block_size=16, num_kv_blocks=256, max_model_len=1024)
@@ -103,18 +103,19 @@ def test_a_grammar_owns_the_end_of_the_output():
         assert info.value.param == field
 
 
-def test_apply_bitmasks_matches_a_brute_force_loop():
+def test_bitmask_bias_matches_a_brute_force_loop():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 100, generator=gen)
     bitmasks = torch.randint(-2**31, 2**31 - 1, (2, 3), dtype=torch.int32, generator=gen)  # 96 ids
-    rows = torch.tensor([3, 1])
+    bitmasks[0, 1] = -1  # a word of all ones: the sign bit is a token too
+    rows = [3, 1]
     expected = logits.clone()
-    for j, r in enumerate(rows.tolist()):
+    for j, r in enumerate(rows):
         for t in range(100):
             word, bit = divmod(t, 32)
             if t >= 96 or not (int(bitmasks[j, word]) >> bit) & 1:
                 expected[r, t] = float("-inf")
-    apply_bitmasks(logits, rows, bitmasks)
+    add_bias(logits, rows, mask_bias(bitmasks))
     assert torch.equal(logits, expected)
 
 

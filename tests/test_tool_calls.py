@@ -16,11 +16,14 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from prefixserve.entrypoints.server.anthropic.tool_stream import BlockStream
+from prefixserve.entrypoints.server.anthropic.tools import reply
+from prefixserve.entrypoints.server.openai.tool_calls import ChatTools
 from prefixserve.errors import InvalidRequestError
 from prefixserve.structured.grammar import GrammarCompiler
 from prefixserve.tokenizer import load_tokenizer
 from prefixserve.tools import ToolCallStream, format_of_template, parse_tool_calls
-from prefixserve.tools.choice import call_grammar, tool_choice_of, tool_specs_of
+from prefixserve.tools.choice import ToolChoice, call_grammar, tool_choice_of, tool_specs_of
 
 CALLS = [("get_weather", {"city": "Paris", "nested": {"a": [1, 2, {"b": "}"}]}, "s": "</tool_call>?"}),
          ("get_time", {}),
@@ -76,15 +79,39 @@ def replay(fmt: str, text: str, cuts: list[int]):
     return content, starts, args
 
 
-@settings(max_examples=150, deadline=None)
+def llama3_text(calls, lead="", spacing=", ", typed=False, after="") -> str:
+    """Llama 3 calls as the model writes them: name first (`"type": "function"` before it, as
+    Llama 3.2 may), `;` between them."""
+    def one(name, args):
+        head = '{"type": "function", ' if typed else "{"
+        return (head + '"name": ' + json.dumps(name) + ', "parameters": '
+                + json.dumps(args, separators=(spacing, ": ")) + "}")
+    return lead + "; ".join(one(n, a) for n, a in calls) + after
+
+
+# Llama 3 outputs that are not calls, though some start like one
+LLAMA3_CONTENT = ['{"answer": 42}', '{"name": 3, "parameters": {}}', '{"parameters": {}, "name": "f"}',
+                  '{42}', "plain < text", '  {"name": "f", "parameters": [1]}', "<|python_tag|>print(1)"]
+
+
+@settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_any_cut_of_the_stream_assembles_into_the_finished_parse(data):
+    """Any cut of the stream into deltas, of any output (calls, content that looks like calls,
+    both, an output that max_tokens ended anywhere) gives the finished parse's content, calls
+    and argument texts."""
     fmt = data.draw(st.sampled_from(["qwen", "llama3"]))
     chosen = data.draw(st.lists(st.sampled_from(CALLS), min_size=0, max_size=3))
     if fmt == "qwen":
         text = qwen_text(chosen, before=data.draw(st.sampled_from(["", "Sure <tool", "a < b"])))
+    elif chosen:
+        text = llama3_text(chosen, lead=data.draw(st.sampled_from(["", "<|python_tag|>", " \n"])),
+                           spacing=data.draw(st.sampled_from([", ", ","])), typed=data.draw(st.booleans()),
+                           after=data.draw(st.sampled_from(["", "  ", "\n\nDone; {ok}", "; {\"name\": 3}"])))
     else:
-        text = "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in chosen) or "plain < text"
+        text = data.draw(st.sampled_from(LLAMA3_CONTENT))
+    if data.draw(st.booleans()):  # max_tokens ended the output
+        text = text[:data.draw(st.integers(0, len(text)))]
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=40))
     content, starts, args = replay(fmt, text, cuts)
     want_content, want_calls = parse_tool_calls(text, fmt)
@@ -92,6 +119,48 @@ def test_any_cut_of_the_stream_assembles_into_the_finished_parse(data):
     assert [i for i, _, _ in starts] == list(range(len(want_calls)))
     assert [args.get(i, "") for i in range(len(want_calls))] == [c.arguments for c in want_calls]
     assert content.strip() == (want_content or "").strip()
+
+
+def test_llama3_calls_stream_their_name_and_arguments_as_they_are_written():
+    text = llama3_text(CALLS[:2], lead="<|python_tag|>")
+    stream = ToolCallStream("llama3")
+    first_args = text.index('"parameters": ') + len('"parameters": ')
+    assert stream.feed(text[:first_args - 3]) == []  # the header may still be content's start
+    start, brace = stream.feed(text[:first_args + 1])
+    assert (start.kind, start.name, start.index) == ("start", "get_weather", 0)
+    assert (brace.kind, brace.text) == ("args", "{")
+    (fragment,) = stream.feed(text[:first_args + 10])
+    assert (fragment.kind, fragment.text) == ("args", text[first_args + 1:first_args + 10])
+    later = stream.finish(text)
+    assert [e.name for e in later if e.kind == "start"] == ["get_time"]
+    assert all(e.kind != "content" for e in later)
+    assert [c.arguments for c in stream.calls] == [json.dumps(a) for _, a in CALLS[:2]]
+
+
+def test_llama3_content_that_starts_like_json_streams_as_content_once_it_cannot_be_a_call():
+    text = '{"answer": "a long reply in JSON", "more": [1, 2, 3]}'
+    stream = ToolCallStream("llama3")
+    assert stream.feed(text[:2]) == []  # '{"' may still begin a call
+    (event,) = stream.feed(text[:5])
+    assert (event.kind, event.text) == ("content", text[:5])
+    assert [e.text for e in stream.feed(text[:20])] == [text[5:20]]
+    assert "".join(e.text for e in stream.finish(text)) == text[20:]
+    assert stream.calls == []
+
+
+def test_an_output_that_ends_inside_a_call_is_a_cut_call_with_the_arguments_written():
+    for fmt, text in (("qwen", qwen_text(CALLS[:1])), ("llama3", llama3_text(CALLS[:1]))):
+        whole = json.dumps(CALLS[0][1])
+        at = text.index(whole) + 20
+        content, (call,) = parse_tool_calls(text[:at], fmt)
+        assert (call.name, call.arguments, call.complete) == ("get_weather", whole[:20], False)
+        assert content == ("Let me look." if fmt == "qwen" else None)
+        # the arguments closed but not the call: complete arguments, the call still cut short
+        at = text.index(whole) + len(whole)
+        (call,) = parse_tool_calls(text[:at], fmt)[1]
+        assert (call.arguments, call.complete) == (whole, False)
+        (call,) = parse_tool_calls(text[:at + 1], fmt)[1]
+        assert (call.arguments, call.complete) == (whole, True)
 
 
 def test_every_character_as_its_own_delta():
@@ -173,3 +242,16 @@ def test_a_schema_llguidance_cannot_compile_is_refused_with_its_reason():
         compiler.constraint(StructuredOutput("lark", "start: undefined_rule"))
     assert info.value.param == "response_format" and "compiled" in str(info.value)
     assert llguidance.__version__
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("llama3", llama3_text(CALLS[:2], after="\nDone.")),
+    ("qwen", qwen_text(CALLS[:2], before="Looking it up.")),
+])
+def test_anthropic_blocks_of_a_finished_output_come_in_the_order_its_stream_sends_them(fmt, text):
+    tools = ChatTools([], ToolChoice("auto"), fmt, None)
+    blocks, called = reply(tools, text)
+    stream = BlockStream(tools.choice, fmt)
+    started = [json.loads(event.split("data: ", 1)[1]) for event in stream.begin() + stream.feed(text, True)]
+    kinds = [e["content_block"]["type"] for e in started if e["type"] == "content_block_start"]
+    assert called and [b["type"] for b in blocks] == kinds

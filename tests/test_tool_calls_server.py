@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import httpx
 import jsonschema_rs
-import openai
 import pytest
 
 from prefixserve import EngineConfig, LLMEngine
@@ -44,16 +42,6 @@ def server():
     app = build_app(LLMEngine(EngineConfig(**ENGINE)), ServerConfig(max_waiting=64))
     with LiveServer(app) as live:
         yield live
-
-
-@pytest.fixture()
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture()
-def claude(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
 def assert_valid_call(name: str, arguments: str) -> dict:

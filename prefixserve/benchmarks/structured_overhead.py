@@ -1,21 +1,27 @@
 """What grammar-constrained rows cost the unconstrained rows of the same batch.
 
     python -m prefixserve.benchmarks.structured_overhead [--model random:qwen3-tiny]
-        [--plain 8] [--constrained 2] [--tokens 96] [--rounds 5]
+        [--plain 8] [--constrained 2] [--tokens 96] [--rounds 5] [--threads N] [--compare-masks]
 
 Two batches of the same size decode together, steady state, through LLMEngine.step(): `plain`
 unconstrained greedy rows plus `constrained` rows that are either unconstrained too (baseline)
 or held to a JSON schema (an array of at least 200 strings, so the grammar never lets them stop
 early). Both batches run the same forward; the difference is computing the constrained rows'
 masks and applying them. Only steps in which every row decodes are timed; the two kinds of
-round alternate, and the script prints the CPU, the median step time of each and their ratio
-(constrained / baseline): the slowdown every unconstrained row of such a batch sees. Wall time
-and the process's CPU time are both reported: on a machine other jobs share, CPU time (what the
-step itself consumed, all threads) is the steadier of the two.
+round alternate after a warm-up round of each, and the script prints the CPU, the load before
+and after, the median step time of each and its ratio to the baseline: the slowdown every
+unconstrained row of such a batch sees. Wall time and the process's CPU time are both
+reported: wall time is what the rows wait for; CPU time counts every thread, so mask work moved
+onto the sampler's worker thread (structured/mask_worker.py) still counts there even when it
+overlaps the forward. Run it under `flock /tmp/prefixserve-bench.lock` on a quiet machine.
+
+On random:qwen3-0.6b (a decode step of hundreds of ms, a 151936-token vocabulary) use fewer
+tokens and rounds: `--model random:qwen3-0.6b --tokens 24 --rounds 2`.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -57,27 +63,46 @@ def main() -> None:
     parser.add_argument("--constrained", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--compare-masks", action="store_true",
+                        help="time the constrained rows twice: masks on the sampler's worker thread "
+                             "during the forward, and inline after it (default: the device's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
     engine = LLMEngine(EngineConfig(model=args.model, seed=0, block_size=16,
                                     num_kv_blocks=(args.plain + args.constrained) * 16 + 64))
-    one_round(engine, args.plain, args.constrained, 8, True, "warm")  # compiles, first grammar
-    baseline: list[float] = []
-    held: list[float] = []
-    for r in range(args.rounds):
-        baseline += one_round(engine, args.plain, args.constrained, args.tokens, False, f"b{r}")
-        held += one_round(engine, args.plain, args.constrained, args.tokens, True, f"c{r}")
-    base_ms, base_cpu = (statistics.median(t[k] for t in baseline) * 1e3 for k in (0, 1))
-    held_ms, held_cpu = (statistics.median(t[k] for t in held) * 1e3 for k in (0, 1))
+    sampler = engine.runner.sampler
+    # (label, constrained, masks on the worker); None keeps what the runner chose for the device.
+    kinds = [("all rows unconstrained", False, None)]
+    label = f"{args.constrained} rows JSON-constrained"
+    if args.compare_masks:
+        kinds += [(label + ", masks on the worker", True, True), (label + ", masks inline", True, False)]
+    else:
+        kinds += [(f"{label} (masks {'on the worker' if sampler.overlap_masks else 'inline'})",
+                   True, None)]
+    default_overlap = sampler.overlap_masks
+    times: dict[str, list[tuple[float, float]]] = {k[0]: [] for k in kinds}
+    for r in range(-1, args.rounds):  # round -1 warms up: the first grammar builds the tokenizer view
+        for i, (name, structured, overlap) in enumerate(kinds):
+            sampler.overlap_masks = default_overlap if overlap is None else overlap
+            steps = one_round(engine, args.plain, args.constrained, args.tokens if r >= 0 else 8,
+                              structured, f"{r}-{i}")
+            if r >= 0:
+                times[name] += steps
     info = machine_info(torch.get_num_threads())
     print(f"cpu: {info['cpu']} ({info['logical_cpus']} logical, {info['threads']} threads), "
           f"torch {info['torch']}")
+    print("load average (1, 5, 15 min) before: %.2f %.2f %.2f, after: %.2f %.2f %.2f"
+          % (*load_before, *os.getloadavg()))
     print(f"model {args.model}: {args.plain} unconstrained + {args.constrained} rows, "
-          f"{len(baseline)} / {len(held)} timed decode steps")
-    print(f"median step, all rows unconstrained: {base_ms:.2f} ms wall, {base_cpu:.2f} ms CPU")
-    print(f"median step, {args.constrained} rows JSON-constrained: {held_ms:.2f} ms wall, "
-          f"{held_cpu:.2f} ms CPU")
-    print(f"ratio (slowdown of the unconstrained rows): {held_ms / base_ms:.3f} wall, "
-          f"{held_cpu / base_cpu:.3f} CPU")
+          f"{len(times[kinds[0][0]])} timed decode steps per kind")
+    base_ms, base_cpu = (statistics.median(t[k] for t in times[kinds[0][0]]) * 1e3 for k in (0, 1))
+    for name, _, _ in kinds:
+        wall, cpu = (statistics.median(t[k] for t in times[name]) * 1e3 for k in (0, 1))
+        print(f"median step, {name}: {wall:.2f} ms wall, {cpu:.2f} ms CPU; "
+              f"ratio {wall / base_ms:.3f} wall, {cpu / base_cpu:.3f} CPU")
 
 
 if __name__ == "__main__":

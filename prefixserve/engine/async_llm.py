@@ -121,6 +121,9 @@ class AsyncLLM:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._dead: Optional[str] = None
+        # Grammars compile here, off the engine thread: a slow one would stall every stream.
+        # Two workers, so one slow grammar does not hold up everyone else's either.
+        self._compiler = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="prefixserve-grammar")
 
     # ------------------------------------------------------------- lifecycle
     @property
@@ -164,6 +167,8 @@ class AsyncLLM:
             self._stopping = True
             self._cond.notify_all()
             thread = self._thread
+        # Compiles under way finish and find the engine stopped (EngineDeadError).
+        self._compiler.shutdown(wait=False)
         if thread is None:
             self._die("the engine was shut down")
         elif thread is not threading.current_thread():
@@ -180,7 +185,18 @@ class AsyncLLM:
         Raises QueueFullError (at the bound), InvalidRequestError (the engine refused it;
         nothing scheduled) or EngineDeadError.
         """
-        stream = RequestStream(request_id, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        grammar = None
+        if params.structured is not None:
+            with self._cond:  # refused at once, before any compiling, when it would be anyway
+                self._check_admission_locked(request_id, params)
+            try:
+                compiling = loop.run_in_executor(self._compiler, self.engine.compile_grammar, params)
+            except RuntimeError:  # shut down since the check
+                raise EngineDeadError("the engine is shutting down") from None
+            # Raises InvalidRequestError when the grammar cannot be compiled: nothing is queued.
+            grammar = await compiling
+        stream = RequestStream(request_id, loop)
         accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def add() -> None:
@@ -190,7 +206,7 @@ class AsyncLLM:
                 return
             try:
                 self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
-                                        priority=priority, cache_pins=cache_pins)
+                                        priority=priority, cache_pins=cache_pins, grammar=grammar)
             except BaseException as exc:  # handed to the caller, who maps it to an HTTP error
                 with self._cond:
                     self._streams.pop(request_id, None)
@@ -203,14 +219,7 @@ class AsyncLLM:
             _fail_future(accepted, exc)
 
         with self._cond:
-            self._check_alive_locked()
-            if request_id in self._streams:
-                raise DuplicateRequestError(f"request id {request_id!r} is already in use",
-                                            param="request_id")
-            if self.max_waiting is not None and \
-                    self._pending_seats + self._stats.num_seats + params.n > self.max_waiting:
-                raise QueueFullError(f"too many requests in flight (max_waiting={self.max_waiting}); "
-                                     "retry later")
+            self._check_admission_locked(request_id, params)
             self._pending_seats += params.n
             self._streams[request_id] = stream
             self._commands.append(_Command(add, fail, seats=params.n))
@@ -222,6 +231,16 @@ class AsyncLLM:
             self.abort(request_id)
             raise
         return stream
+
+    def _check_admission_locked(self, request_id: str, params: SamplingParams) -> None:
+        self._check_alive_locked()
+        if request_id in self._streams:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in use",
+                                        param="request_id")
+        if self.max_waiting is not None and \
+                self._pending_seats + self._stats.num_seats + params.n > self.max_waiting:
+            raise QueueFullError(f"too many requests in flight (max_waiting={self.max_waiting}); "
+                                 "retry later")
 
     async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
                        cache_salt: Optional[str] = None, priority: int = 0,

@@ -7,6 +7,7 @@ drive it through add_request / step / abort_request.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from collections import deque
@@ -75,10 +76,15 @@ class _Group:
     cache_pins: tuple[CachePin, ...] = ()
     pin_results: list[PinResult] = field(default_factory=list)
     error: Optional[str] = None  # why the engine ended it when a step failed on it
+    # Compiled once and never advanced: each sample's matcher is a fork of it.
+    grammar: Optional[Constraint] = None
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic,
+                 grammar_compiler: Optional[GrammarCompiler] = None) -> None:
+        """grammar_compiler: compiles structured outputs; None builds one from the tokenizer on
+        the first structured request."""
         self.config = config
         self.clock = clock
         self.device = resolve_device(config.device)
@@ -133,7 +139,8 @@ class LLMEngine:
         self._probes: deque[list[str]] = deque()
         self._strikes: dict[str, int] = {}
         self._step_failures: dict[str, str] = {}
-        self._grammars: Optional[GrammarCompiler] = None  # built on the first structured request
+        self._grammars = grammar_compiler
+        self._grammars_lock = threading.Lock()  # compile_grammar runs on any thread
         self.info = EngineInfo(
             model=config.model, model_identity=self.loaded.identity,
             dtype=dtype_name(next(self.loaded.model.parameters()).dtype), dtype_reason=self.dtype_choice.reason,
@@ -185,17 +192,21 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptInput,
                     params: Optional[SamplingParams] = None, *, cache_salt: Optional[str] = None,
                     priority: int = 0, arrival_time: Optional[float] = None,
-                    cache_pins: Sequence[CachePin] = ()) -> None:
+                    cache_pins: Sequence[CachePin] = (), grammar: Optional[Constraint] = None) -> None:
         """Queues a request; raises InvalidRequestError (nothing queued) if it can never run.
 
         cache_pins: prefixes of this prompt to pin in the cache, each for its TTL, once the
         prompt has been computed (a pin that exists already is refreshed).
+        grammar: compile_grammar(params), compiled by the caller off this thread (AsyncLLM does);
+        None compiles params.structured here.
         """
         params = params or SamplingParams()
         if request_id in self._groups:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if grammar is not None and params.structured is None:
+            raise ValueError("a compiled grammar was given for a request without structured output")
         # compiled before anything is queued: a grammar that cannot be compiled refuses the request
-        constraint = self._constraint_of(params)
+        constraint = grammar if grammar is not None else self.compile_grammar(params)
         text, token_ids, dict_salt = self.tokenize_prompt(prompt)
         salt = cache_salt if cache_salt is not None else dict_salt
         if params.max_tokens is not None:
@@ -219,21 +230,25 @@ class LLMEngine:
                     param="cache_pins")
         self.scheduler.add_request(req)
         group = _Group(request_id, text, token_ids, params, salt, req.arrival_time,
-                       cache_pins=tuple(cache_pins))
-        group.samples[request_id] = self._new_sample(group, 0, params.seed, constraint)
+                       cache_pins=tuple(cache_pins), grammar=constraint)
+        group.samples[request_id] = self._new_sample(group, 0, params.seed)
         self._groups[request_id] = group
         self._sample_to_group[request_id] = request_id
 
-    def _constraint_of(self, params: SamplingParams) -> Optional[Constraint]:
+    def compile_grammar(self, params: SamplingParams) -> Optional[Constraint]:
+        """The grammar of params.structured compiled for add_request(grammar=...); None without
+        one. Thread-safe and touches no request, so a slow grammar can compile on any thread
+        while the engine steps. Raises InvalidRequestError (param response_format) if it
+        cannot be compiled."""
         if params.structured is None:
             return None
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.tokenizer.vocab_size,
-                                             sorted(self.tokenizer.eos_token_ids))
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(), self.tokenizer.vocab_size,
+                                                 sorted(self.tokenizer.eos_token_ids))
         return self._grammars.constraint(params.structured)
 
-    def _new_sample(self, group: _Group, index: int, seed: Optional[int],
-                    constraint: Optional[Constraint] = None) -> _Sample:
+    def _new_sample(self, group: _Group, index: int, seed: Optional[int]) -> _Sample:
         generator = None
         if seed is not None:
             # Each sample of a seeded request gets its own stream, fixed by (seed, index).
@@ -242,7 +257,7 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids,
                                        skip_special_tokens=group.params.skip_special_tokens)
         return _Sample(index=index, detokenizer=detok, generator=generator,
-                       constraint=constraint or self._constraint_of(group.params))
+                       constraint=group.grammar.fork() if group.grammar is not None else None)
 
     def abort_request(self, request_ids: Union[str, Sequence[str]]) -> None:
         """Aborts requests (all their samples); every block they held is freed at once."""

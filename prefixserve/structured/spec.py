@@ -8,7 +8,8 @@ from typing import Any, Literal
 
 from prefixserve.errors import InvalidRequestError
 
-# A grammar is compiled on the engine thread: bounded, so one request cannot stall the others.
+# Bounded: compiling takes memory and time (off the engine thread behind AsyncLLM, on it for
+# LLMEngine.add_request), and one request must not hold up the others for long.
 MAX_SPEC_CHARS = 256 * 1024
 KINDS = ("json_schema", "json_object", "lark")
 

@@ -2,13 +2,18 @@
 
 - "qwen" (Qwen2.5 / Qwen3, Hermes style; the built-in template's): each call is
   `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, text may come before them.
-- "llama3" (Llama 3.1-3.3 JSON tool calling): the whole output is `{"name": ..., "parameters":
-  {...}}` (optionally after `<|python_tag|>`), several calls separated by `;`.
+- "llama3" (Llama 3.1-3.3 JSON tool calling): the output is calls when it starts (after an
+  optional `<|python_tag|>`) with `{"name": "...", "parameters": {` (or "arguments"; Llama 3.2
+  may put `"type": "function"` first), several separated by `;`; anything after the last call is
+  content. Deciding by that header, as a stream can, keeps content that merely looks like JSON
+  (`{"answer": 42}`) content.
 
 Arguments are returned as the exact text the model wrote, not re-serialised: a client that sends
 them back in the history gets the very tokens the model produced, so the next turn's prompt
 extends this one's (re-serialising could reorder keys or change spacing and miss the cache).
-A call that does not parse stays in the content as text: nothing the model wrote is lost.
+A Qwen call that does not parse stays in the content as text: nothing the model wrote is lost.
+A call the output ends inside (max_tokens) is still a call, `complete=False`, holding the
+arguments written so far: what a stream has already sent of it.
 """
 from __future__ import annotations
 
@@ -17,11 +22,23 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+import jiter
+import regex
+
 ToolFormat = Literal["qwen", "llama3"]
 
 QWEN_OPEN, QWEN_CLOSE = "<tool_call>", "</tool_call>"
-LLAMA_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
+
+# Where a call's arguments object begins: a call is recognised by this header (the name first,
+# as the formats' templates teach), so a stream can send its name and arguments as they come.
+QWEN_HEADER = regex.compile(r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\]*)"\s*,\s*"arguments"\s*:\s*\{')
+_LLAMA_CALL = (r'(?P<open>\{)\s*(?:"type"\s*:\s*"function"\s*,\s*)?"name"\s*:\s*"(?P<name>[^"\\]*)"'
+               r'\s*,\s*"(?:parameters|arguments)"\s*:\s*\{')
+# Llama 3: the output is calls when it starts with one (after an optional <|python_tag|>), and
+# each further call follows a `;`.
+LLAMA_FIRST = regex.compile(r"\s*(?:<\|python_tag\|>)?\s*" + _LLAMA_CALL)
+LLAMA_NEXT = regex.compile(r"\s*;\s*" + _LLAMA_CALL)
 
 
 def new_call_id(prefix: str = "call_") -> str:
@@ -40,9 +57,19 @@ class ToolCall:
     name: str
     arguments: str  # JSON text of an object, as the model wrote it
     id: str = field(default_factory=new_call_id)
+    # False when the output ended inside the call's JSON (max_tokens): the arguments are what
+    # was written of them
+    complete: bool = True
 
     def input(self) -> dict[str, Any]:
-        return json.loads(self.arguments)
+        if self.complete:
+            return json.loads(self.arguments)
+        # what a cut call's arguments hold so far, read as Anthropic's SDK reads a streamed
+        # partial input (an unfinished string or number is left out)
+        try:
+            return jiter.from_json(self.arguments.encode(), partial_mode=True)
+        except ValueError:
+            return {}
 
 
 def format_of_template(template: Optional[str]) -> ToolFormat:
@@ -96,6 +123,22 @@ def _skip(text: str, pos: int) -> int:
     return pos
 
 
+def call_extent(text: str, open_at: int, args_start: int) -> tuple[str, Optional[int]]:
+    """(arguments, end of the call's object) of the call whose object opens at open_at and whose
+    arguments object at args_start; the end is None while the object is open. Arguments still
+    open are all the text after args_start (whatever follows can only extend them); once closed,
+    exactly their object's text."""
+    try:
+        _, args_end = _DECODER.raw_decode(text, args_start)
+    except ValueError:
+        return text[args_start:].rstrip(), None
+    try:
+        _, end = _DECODER.raw_decode(text, open_at)
+    except ValueError:
+        return text[args_start:args_end], None
+    return text[args_start:args_end], end
+
+
 def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[Optional[str], list[ToolCall]]:
     """(content, calls) of a finished output; content is None when only calls were written."""
     if fmt == "llama3":
@@ -113,10 +156,38 @@ def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[Optional[str], list[To
         calls.append(call)
         pos = search = end
     kept.append(text[pos:])
+    if (cut := _cut_qwen_call(text, pos)) is not None:
+        call, at = cut
+        kept[-1] = text[pos:at]
+        calls.append(call)
     if not calls:
         return text, []
     content = "".join(kept).strip()
     return (content or None), calls
+
+
+def _cut_qwen_call(text: str, pos: int) -> Optional[tuple[ToolCall, int]]:
+    """The call the output ended inside, and where its tag is: the first `<tool_call>` after
+    pos, once its header is written, when its JSON is still open (a valid beginning) or closed
+    with no closing tag after it. (Malformed JSON stays content.)"""
+    at = text.find(QWEN_OPEN, pos)
+    m = QWEN_HEADER.match(text, at + len(QWEN_OPEN)) if at >= 0 else None
+    if m is None:
+        return None
+    open_at = text.index("{", m.start())
+    arguments, end = call_extent(text, open_at, m.end() - 1)
+    cut = is_json_prefix(text[open_at:]) if end is None else QWEN_CLOSE not in text[end:]
+    return (ToolCall(m.group("name"), arguments, complete=end is not None), at) if cut else None
+
+
+def is_json_prefix(text: str) -> bool:
+    """Whether `text` begins some JSON document (json cannot tell cut from malformed; jiter's
+    partial mode can)."""
+    try:
+        jiter.from_json(text.encode(), partial_mode="trailing-strings")
+    except ValueError:
+        return False
+    return True
 
 
 def qwen_call_at(text: str, body_start: int) -> Optional[tuple[ToolCall, int]]:
@@ -132,39 +203,14 @@ def qwen_call_at(text: str, body_start: int) -> Optional[tuple[ToolCall, int]]:
 
 
 def _parse_llama3(text: str) -> tuple[Optional[str], list[ToolCall]]:
-    body = text.strip()
-    if body.startswith(LLAMA_TAG):
-        body = body[len(LLAMA_TAG):]
-    if not body.lstrip().startswith("{"):
+    calls: list[ToolCall] = []
+    pos = 0
+    while (m := (LLAMA_NEXT if calls else LLAMA_FIRST).match(text, pos)) is not None:
+        arguments, end = call_extent(text, m.start("open"), m.end() - 1)
+        calls.append(ToolCall(m.group("name"), arguments, complete=end is not None))
+        if end is None:
+            return None, calls
+        pos = end
+    if not calls:
         return text, []
-    calls = []
-    for piece in _split_top_level(body, ";"):
-        call = call_of_json(piece, "parameters")
-        if call is None:
-            return text, []
-        calls.append(call)
-    return None, calls
-
-
-def _split_top_level(text: str, sep: str) -> list[str]:
-    """Splits on `sep` outside JSON strings and brackets."""
-    pieces, depth, in_string, escaped, start = [], 0, False, False, 0
-    for i, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-        elif ch == sep and depth == 0:
-            pieces.append(text[start:i])
-            start = i + 1
-    pieces.append(text[start:])
-    return [p for p in pieces if p.strip()]
+    return (text[pos:].strip() or None), calls

@@ -1,22 +1,22 @@
 """Incremental tool-call parsing for streams: fed the cumulative text, it says what is new as
 content, which calls began (index, id, name) and which argument fragments followed.
 
-Qwen-format calls stream their arguments as they are written: text that could still be the
-start of `<tool_call>` is held back, and inside a call so is everything from its last `}` on
-(that brace may close the call's outer object rather than the arguments). Llama 3 calls are one
-JSON document, known to be a call only once it parses: they come out whole at the end.
-The fragments of a call always join into exactly the arguments parse_tool_calls returns.
+A call begins once its header (`{"name": "...", "arguments": {`, see calls.py) is written: its
+name goes out then and its arguments as they are written (arguments still open are sent up to
+their last non-blank character; whatever follows can only extend them). Text that could still
+become a call's start is held back: in the Qwen format a suffix that may grow into
+`<tool_call>`, in the Llama 3 format the output's start while it may grow into a header (then it
+is calls or, as soon as it cannot be one, content) and what follows a call while it may grow
+into `; {"name": ...`. The fragments of a call always join into exactly the arguments
+parse_tool_calls returns, a call the output ends inside included.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from prefixserve.tools.calls import (LLAMA_TAG, QWEN_CLOSE, QWEN_OPEN, ToolCall, ToolFormat,
-                                     new_call_id, parse_tool_calls, qwen_call_at)
-
-_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+from prefixserve.tools.calls import (LLAMA_FIRST, LLAMA_NEXT, QWEN_HEADER, QWEN_OPEN, ToolCall,
+                                     ToolFormat, call_extent, new_call_id, qwen_call_at)
 
 
 @dataclass
@@ -43,10 +43,11 @@ class ToolCallStream:
         self.calls: list[ToolCall] = []
         self._pos = 0              # text consumed
         self._in_call = False
-        self._call_start = 0       # where the current call's body starts
+        self._call_start = 0       # where the current call's body starts (qwen: after the tag)
         self._args_start: Optional[int] = None
         self._args_sent = 0        # characters of the current call's arguments sent
-        self._llama: Optional[bool] = None  # llama3: is the output a call? (None: not known yet)
+        self._content_only = False  # llama3: the rest of the output is content
+        self._blank = ""           # blank content held back (see _content)
 
     def feed(self, text: str) -> list[ToolEvent]:
         """Events for what `text` (the whole output so far) adds."""
@@ -69,14 +70,12 @@ class ToolCallStream:
                 return events
 
     def finish(self, text: str) -> list[ToolEvent]:
-        """Events for the rest of the final text: held-back content, an unterminated call."""
+        """Events for the rest of the final text: held-back content, a call it ended inside."""
         if self.fmt == "llama3":
             return self._feed_llama(text, final=True)
         events = self.feed(text)
         if self._in_call:
-            if self._args_start is not None:
-                self._args(events, text[self._args_start:])
-            else:
+            if self._args_start is None:  # no header: the unfinished tag and what follows stay text
                 self._content(events, text[self._call_start - len(QWEN_OPEN):])
             self._in_call = False
         else:
@@ -88,28 +87,52 @@ class ToolCallStream:
     def _step_call(self, text: str, events: list[ToolEvent]) -> bool:
         """Advances inside a call; True when the call closed (parsing goes on after it)."""
         if self._args_start is None:
-            m = _HEADER.match(text, self._call_start)
+            m = QWEN_HEADER.match(text, self._call_start)
             if m is not None:
-                self._start(events, m.group(1))
-                self._args_start = m.end()
+                self._start(events, m.group("name"))
+                self._args_start = m.end() - 1
         found = qwen_call_at(text, self._call_start)
         if found is None:
             if self._args_start is not None:
-                tail = text[self._args_start:]
-                self._args(events, tail[:max(tail.rfind("}"), 0)])
+                self._args(events, call_extent(text, text.index("{", self._call_start),
+                                               self._args_start)[0])
             return False
         call, end = found
-        close = end - len(QWEN_CLOSE)
-        if self._args_start is not None:
-            rest = text[self._args_start:close].rstrip()
-            self._args(events, rest[:-1].rstrip() if rest.endswith("}") else rest)
-        else:
+        if self._args_start is None:
             self._start(events, call.name)
-            self._args(events, call.arguments)
+        self._args(events, call.arguments)
         self._in_call = False
         self._pos = end
         return True
 
+    # -------------------------------------------------------------- llama3
+    def _feed_llama(self, text: str, final: bool) -> list[ToolEvent]:
+        events: list[ToolEvent] = []
+        while not self._content_only:
+            if self._in_call:
+                arguments, end = call_extent(text, self._call_start, self._args_start)
+                self._args(events, arguments)
+                if end is None:
+                    return events
+                self._in_call, self._pos = False, end
+            m = (LLAMA_NEXT if self.calls else LLAMA_FIRST).match(text, self._pos, partial=True)
+            if m is None or (m.partial and final):
+                self._content_only = True
+                break
+            if m.partial:
+                return events
+            self._start(events, m.group("name"))
+            self._in_call, self._call_start = True, m.start("open")
+            self._args_start, self._args_sent = m.end() - 1, 0
+        if self._pos < len(text):
+            # what follows the calls: blank is no content, the rest goes out whole
+            rest = text[self._pos:]
+            if rest.strip() or not self.calls:
+                events.append(ToolEvent("content", rest))
+                self._pos = len(text)
+        return events
+
+    # -------------------------------------------------------------- shared
     def _start(self, events: list[ToolEvent], name: str) -> None:
         call = ToolCall(name, "", new_call_id(self.id_prefix))
         self.calls.append(call)
@@ -123,29 +146,10 @@ class ToolCallStream:
             events.append(ToolEvent("args", fragment, index=len(self.calls) - 1))
 
     def _content(self, events: list[ToolEvent], text: str) -> None:
-        # between and after calls only text that says something is content
-        if text and (not self.calls or text.strip()):
-            events.append(ToolEvent("content", text))
-
-    # -------------------------------------------------------------- llama3
-    def _feed_llama(self, text: str, final: bool) -> list[ToolEvent]:
-        body = text.lstrip()
-        if self._llama is None and body:
-            could_be = body.startswith("{") or LLAMA_TAG.startswith(body[:len(LLAMA_TAG)])
-            self._llama = None if could_be else False
-        events: list[ToolEvent] = []
-        if self._llama is False:
-            self._content(events, text[self._pos:])
-            self._pos = len(text)
-            return events
-        if not final:
-            return events
-        content, calls = parse_tool_calls(text, "llama3")
-        if not calls:
-            self._content(events, text[self._pos:])
-        for call in calls:
-            self._start(events, call.name)
-            self._args_sent = 0
-            self._args(events, call.arguments)
-        self._pos = len(text)
-        return events
+        # blank text after a call waits for text that says something (the finished content is
+        # stripped): sent with it, it keeps the spacing between them
+        if self.calls and not text.strip():
+            self._blank += text
+        elif text:
+            events.append(ToolEvent("content", self._blank + text))
+            self._blank = ""

@@ -12,6 +12,7 @@ cost can be measured alone (`benchmarks/host_step.py`).
 """
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence
 
@@ -74,7 +75,11 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.config.num_hidden_layers)]
         self.block_tables = BlockTables()
-        self.sampler = Sampler(vocab_limit, device=self.device)
+        # Grammar masks are computed on a worker thread during the forward only where the forward
+        # runs on an accelerator. On CPU the masks cost less than handing them to a thread (the
+        # GIL and the wake-up), even with a core to spare (docs/structured-output.md).
+        self.sampler = Sampler(vocab_limit, device=self.device,
+                               overlap_masks=self.device.type != "cpu")
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         # Built now, not on the first request: the first request is not slowed by compiles,
         # and which kernels are active (and why not) is known from the start.
@@ -154,8 +159,15 @@ class ModelRunner:
             return SampleResult(token_ids=[])
         if inputs.num_logit_rows != len(rows):
             raise ValueError(f"plan samples {inputs.num_logit_rows} rows but {len(rows)} were described")
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-        if not inputs.num_logit_rows:
-            return SampleResult(token_ids=[])
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
-        return self.sampler(logits, rows, default_generator=self.generator)
+        # On an accelerator the grammar masks are computed while the forward runs (mask_worker.py).
+        masks = self.sampler.start_masks(rows)
+        try:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+            if not inputs.num_logit_rows:
+                return SampleResult(token_ids=[])
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
+            return self.sampler(logits, rows, default_generator=self.generator, masks=masks)
+        finally:
+            if masks is not None:
+                # Even after a failed forward: the engine may touch these matchers next.
+                concurrent.futures.wait([masks])

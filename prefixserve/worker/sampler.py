@@ -14,6 +14,7 @@ advances another row's generator.
 """
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -21,7 +22,8 @@ import torch
 
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.structured.constraint import Constraint
-from prefixserve.structured.mask import apply_bitmasks, bitmask_words
+from prefixserve.structured.mask import add_bias
+from prefixserve.structured.mask_worker import MaskJob, MaskWorker, StepMasks
 
 
 @dataclass
@@ -49,15 +51,31 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, vocab_limit: Optional[int] = None, device: torch.device | str = "cpu") -> None:
+    def __init__(self, vocab_limit: Optional[int] = None, device: torch.device | str = "cpu",
+                 overlap_masks: bool = False) -> None:
         # Ids at or beyond the tokenizer's vocabulary decode to nothing; the
         # model's embedding may be larger (padded), so they are never sampled.
         self.vocab_limit = vocab_limit
         # Where the logits arrive and sampling happens: every generator used here lives there too.
         self.device = torch.device(device)
+        # Whether start_masks hands the grammar masks to the worker thread (see ModelRunner).
+        self.overlap_masks = overlap_masks
+        self.mask_worker = MaskWorker()
+
+    def start_masks(self, rows: Sequence[SamplingRow]) -> Optional[concurrent.futures.Future[StepMasks]]:
+        """Starts computing the grammar masks of `rows` on the mask worker (None when no row is
+        constrained, or masks are not overlapped: __call__ computes them then); pass the future
+        to __call__ with the same rows, and wait for it before anything else touches those
+        rows' constraints."""
+        if not self.overlap_masks:
+            return None
+        jobs = _mask_jobs(rows)
+        return self.mask_worker.start(jobs) if jobs else None
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
-                 default_generator: Optional[torch.Generator] = None) -> SampleResult:
+                 default_generator: Optional[torch.Generator] = None,
+                 masks: Optional[concurrent.futures.Future[StepMasks]] = None) -> SampleResult:
+        """`masks`: what start_masks(rows) returned; without it the masks are computed here."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
         logits = logits.float()
@@ -82,7 +100,7 @@ class Sampler:
                     random_rows.append(i)
             except Exception as exc:
                 errors[i] = exc
-        self._apply_constraints(logits, rows, errors)
+        self._apply_constraints(logits, rows, errors, masks)
 
         tokens = torch.argmax(logits, dim=-1)
         if random_rows:
@@ -125,25 +143,26 @@ class Sampler:
         return result
 
     def _apply_constraints(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
-                           errors: list[Optional[BaseException]]) -> None:
-        """Masks the grammar-constrained rows, in one tensor op; a batch without any costs a
-        scan of the rows."""
-        constrained = [i for i, row in enumerate(rows)
-                       if row.constraint is not None and errors[i] is None]
-        if not constrained:
-            return
-        words = bitmask_words(rows[constrained[0]].constraint.vocab_size)
-        bitmasks = torch.empty((len(constrained), words), dtype=torch.int32)
-        filled = []
-        for i in constrained:
-            try:
-                rows[i].constraint.fill(rows[i].output_token_ids, bitmasks[len(filled)])
-                filled.append(i)
-            except Exception as exc:
+                           errors: list[Optional[BaseException]],
+                           started: Optional[concurrent.futures.Future[StepMasks]]) -> None:
+        """Masks the grammar-constrained rows with the masks started before the forward (or
+        computes them now); a batch without any costs a scan of the rows."""
+        if started is not None:
+            masks = started.result()
+        else:
+            jobs = _mask_jobs(rows)
+            if not jobs:
+                return
+            masks = self.mask_worker.compute(jobs)
+        for i, exc in masks.errors.items():
+            if errors[i] is None:
                 errors[i] = exc
-        if filled:
-            apply_bitmasks(logits, torch.tensor(filled, dtype=torch.long, device=logits.device),
-                           bitmasks[:len(filled)], masked_from=self.vocab_limit)
+        # A row that failed earlier in this call keeps its error and is not masked.
+        keep = [j for j, i in enumerate(masks.rows) if errors[i] is None]
+        if not keep:
+            return
+        bias = masks.bias if len(keep) == len(masks.rows) else masks.bias[keep]
+        add_bias(logits, [masks.rows[j] for j in keep], bias, masked_from=self.vocab_limit)
 
     def _random_probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
                       random_rows: list[int], errors: list[Optional[BaseException]]
@@ -171,6 +190,11 @@ class Sampler:
                              dtype=sub.dtype, device=self.device).unsqueeze(1)
         sub = _filter(sub / temps, [rows[i].params for i in picked])
         return torch.softmax(sub, dim=-1)
+
+
+def _mask_jobs(rows: Sequence[SamplingRow]) -> list[MaskJob]:
+    return [MaskJob(i, row.constraint, row.output_token_ids)
+            for i, row in enumerate(rows) if row.constraint is not None]
 
 
 def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow, vocab: int) -> None:

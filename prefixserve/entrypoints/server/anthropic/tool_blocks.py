@@ -100,6 +100,10 @@ def tool_use_block(call: ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.input()}
 
 
-def reply_blocks(content: Optional[str], calls: list[ToolCall]) -> list[dict[str, Any]]:
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
-    return blocks + [tool_use_block(c) for c in calls]
+def reply_blocks(content: Optional[str], calls: list[ToolCall], *, text_first: bool = True
+                 ) -> list[dict[str, Any]]:
+    """text_first=False for a format whose text can only follow the calls (Llama 3), so the
+    blocks come in the order a stream of the same output sends them."""
+    text: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
+    uses = [tool_use_block(c) for c in calls]
+    return text + uses if text_first else uses + text

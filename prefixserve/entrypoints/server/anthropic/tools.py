@@ -22,7 +22,7 @@ def reply(tools: ChatTools, text: str) -> tuple[list[dict[str, Any]], bool]:
     content, calls = parse_tool_calls(text, tools.fmt)
     for call in calls:
         call.id = "toolu_" + call.id.removeprefix("call_")
-    blocks = reply_blocks(content, calls)
+    blocks = reply_blocks(content, calls, text_first=tools.fmt != "llama3")
     return blocks or [{"type": "text", "text": ""}], bool(calls)
 
 

@@ -1,6 +1,7 @@
-"""POST /v1/completions."""
+"""POST /v1/completions (with chat's response_format: JSON or a JSON schema, as vLLM takes it)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Annotated, Any, AsyncIterator, Optional, Union
@@ -15,6 +16,7 @@ from prefixserve.errors import InvalidRequestError
 from prefixserve.entrypoints.server.streaming import DONE_EVENT, EventStream, Generation, sse, submit
 from prefixserve.entrypoints.server.usage import usage_of
 from prefixserve.entrypoints.server.prompting.bodies import json_body
+from prefixserve.entrypoints.server.openai.tool_calls import response_format_of
 from prefixserve.entrypoints.server.openai.protocol import (CompletionChoice, CompletionLogprobs,
                                                      CompletionRequest, CompletionResponse)
 from prefixserve.entrypoints.server.state import ServerState, get_state, new_id, token_text
@@ -31,7 +33,8 @@ async def create_completion(body: Annotated[CompletionRequest, Depends(json_body
     max_tokens = body.max_tokens if body.max_tokens is not None \
         else state.config.default_completion_max_tokens
     try:
-        params = body.sampling_params(max_tokens, body.logprobs)
+        params = dataclasses.replace(body.sampling_params(max_tokens, body.logprobs),
+                                     structured=response_format_of(body.response_format))
     except InvalidRequestError as exc:
         raise api_error(exc) from None
     gen = await submit(state.async_llm, state.config, state.metrics, new_id("cmpl"), prompts, params,

@@ -101,6 +101,8 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+    # as on chat completions (one parser: openai/tool_calls.py response_format_of)
+    response_format: Optional[dict[str, Any]] = None
 
 
 class ContentPart(StrictModel):

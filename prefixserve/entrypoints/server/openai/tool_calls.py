@@ -3,11 +3,12 @@
 `ChatTools.of(body)` checks tools, tool_choice, parallel_tool_calls, response_format and the
 tool calls in the history, and says which grammar (if any) constrains decoding; the route then
 turns each finished output into `message.tool_calls` (`reply`) or, streaming, turns text deltas
-into OpenAI's tool-call deltas (`ToolDeltas`)."""
+into OpenAI's tool-call deltas (`ToolDeltas`). `response_format_of` also reads /v1/completions'
+response_format: one parser, the same 400s."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from prefixserve.errors import InvalidRequestError
@@ -57,6 +58,10 @@ class ChatTools:
         if response is not None and structured is not None:
             raise InvalidRequestError("response_format cannot be combined with a tool_choice that "
                                       "forces a tool call", param="response_format")
+        if response is not None:
+            # the output is the format asked for, never a call (a Llama 3 call is JSON too: an
+            # answer shaped like one must stay the answer)
+            choice = replace(choice, mode="none")
         return cls(specs, choice, fmt, structured or response)
 
     def reply(self, text: str) -> tuple[Optional[str], list[dict[str, Any]]]:
