@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Regenerates docs/benchmarks.md (+ docs/benchmarks/*.png, docs/benchmarks/results.json) on this machine.
-#   scripts/regen_benchmarks.sh            # full run, random:qwen3-0.6b float32, 2 threads
+# Regenerates docs/benchmarks.md (+ docs/benchmarks/<dtype>/*.png, docs/benchmarks/results-<dtype>.json) on this machine.
+#   scripts/regen_benchmarks.sh            # full run, random:qwen3-0.6b in float32 then bfloat16, 2 threads
 #   scripts/regen_benchmarks.sh --quick    # extra arguments go to `prefixserve bench`
 # Run it on an otherwise idle machine: every figure is a timing.
 set -euo pipefail
@@ -9,7 +9,7 @@ PY=${PYTHON:-.venv/bin/python}
 OUT=docs/benchmarks
 mkdir -p "$OUT"
 start=$(date +%s)
-"$PY" -m prefixserve.entrypoints.cli bench --model random:qwen3-0.6b --dtype float32 --threads 2 \
+"$PY" -m prefixserve.entrypoints.cli bench --model random:qwen3-0.6b --dtype float32 --dtype bfloat16 --threads 2 \
     --json "$OUT/results.json" --plot "$OUT" --markdown "$OUT/report.md" "$@"
 minutes=$(( ($(date +%s) - start + 59) / 60 ))
 {
@@ -41,7 +41,11 @@ minutes=$(( ($(date +%s) - start + 59) / 60 ))
   (system prompt, document, conversation so far) is prefilled once into a `DynamicCache`, deep-copied per
   request, only the request's suffix is prefilled, requests one at a time. `llama.cpp`: llama-cpp-python on the
   GGUF export, one request at a time, with its prompt cache on (the context's common-prefix reuse plus a
-  `LlamaRAMCache` of saved states, the steps `create_completion` takes), KV in float32.
+  `LlamaRAMCache` of saved states, the steps `create_completion` takes), KV in float32, weights in the
+  benchmark's dtype (F32 or BF16 GGUF). `llama.cpp-q8_0`: the same on a Q8_0 export (matrices quantized,
+  norms kept in float32, as llama.cpp's converter does), reported alongside with no target.
+- **Dtypes.** The whole benchmark runs once per dtype, each against the limits measured in that dtype; the
+  tables of each dtype follow each other on this page.
 - **Rounds.** All requests of a round arrive at its start; TTFT and end-to-end latency count from there, so a
   one-at-a-time engine's queueing shows in its latencies. Multi-turn rounds are turns; each waits for the
   previous one.
