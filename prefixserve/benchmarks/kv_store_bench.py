@@ -2,8 +2,9 @@
 
 restart: a document of 4k tokens (1k with --quick) is asked once by a first process, which
 measures its TTFT cold (nothing cached) and again with the document in its pool, then exits
-cleanly (the pool is flushed to a file store). Fresh processes then ask it again: one with the
-store's files in the OS page cache (a process restart), one after they were dropped from it
+cleanly (the pool is flushed to a file store). Fresh processes then ask it again: three with the
+store's files in the OS page cache (a process restart; the files are read just before each, and
+the restart with the median ratio is reported), one after they were dropped from it
 (fsync + POSIX_FADV_DONTNEED on each file: as after a reboot, without touching anything else
 on the machine). Each also times the document in its own pool. The disk's sequential read
 bandwidth is measured in the same run (a 1 GiB file, written, dropped from the page cache,
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 STORE_WORKLOADS = ("restart", "working-set")
+_WARM_RESTARTS = 3
 _TOKEN_LOW, _TOKEN_HIGH = 64, 8000
 
 
@@ -182,6 +184,14 @@ def _drop_from_page_cache(paths) -> None:
             os.close(fd)
 
 
+def _read_into_page_cache(paths) -> None:
+    buf = bytearray(8 << 20)
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
 def disk_read_bandwidth(folder: Path, size: int = 1 << 30) -> float:
     """Bytes/s of one sequential read of a file not in the page cache."""
     path = folder / "read-bandwidth.bin"
@@ -211,8 +221,19 @@ def run_restart(config: StoreBenchConfig) -> dict:
                     threads=config.threads, doc_len=config.doc_len, kv_cache_memory=kv_mem,
                     stores=[f"file://{store}"])
         first = _run_child({**base, "phase": "first"})
-        warm = _run_child({**base, "phase": "restart"})
         files = [p for p in store.rglob("*.kvb")]
+
+        def restart_warm() -> dict:
+            # The case is "files in the page cache": make it so. A host may page out file pages
+            # idle for a minute (this project's VMs run DAMON reclaim with a 60 s minimum age),
+            # which made later restarts read part of the store from disk.
+            _read_into_page_cache(files)
+            return _run_child({**base, "phase": "restart"})
+        # Repeated, and the restart with the median ratio (its store TTFT over its own in-pool
+        # TTFT) reported with all the ratios beside it: one restart swung 1.42-1.65x on a shared VM.
+        restarts = sorted((restart_warm() for _ in range(_WARM_RESTARTS)),
+                          key=lambda run: run["store_s"] / run["pool_s"])
+        warm = restarts[len(restarts) // 2]
         _drop_from_page_cache(files)
         cold_cache = _run_child({**base, "phase": "restart"})
         disk = disk_read_bandwidth(root)
@@ -226,6 +247,7 @@ def run_restart(config: StoreBenchConfig) -> dict:
         "store_s_page_cache": warm["store_s"], "pool_s_page_cache": warm["pool_s"],
         "store_s_disk": cold_cache["store_s"], "pool_s_disk": cold_cache["pool_s"],
         "cached_tokens": [first["cold_cached"], warm["store_cached"], cold_cache["store_cached"]],
+        "restart_ratios": [run["store_s"] / run["pool_s"] for run in restarts],
         "flush_s": first["close_s"],
         "store_bytes_read": st["bytes_read"], "store_load_s": st["load_seconds"],
         "store_read_bw": store_bw, "disk_read_bw": disk,
@@ -288,7 +310,8 @@ def to_markdown(config: StoreBenchConfig, info: dict, restart: Optional[dict],
             f"| cold (first process, nothing cached) | {r['cold_s']:.3f} | "
             f"{r['cold_s'] / r['pool_s_page_cache']:.1f}x | {r['cached_tokens'][0]} |",
             f"| in the pool (restarted process, median of 3) | {r['pool_s_page_cache']:.3f} | 1.0x | |",
-            f"| file store after restart, files in page cache | {r['store_s_page_cache']:.3f} | "
+            f"| file store after restart, files in page cache (the median of {len(r['restart_ratios'])} "
+            f"restarts: {', '.join(f'{x:.2f}x' for x in r['restart_ratios'])}) | {r['store_s_page_cache']:.3f} | "
             f"{r['store_s_page_cache'] / r['pool_s_page_cache']:.2f}x | {r['cached_tokens'][1]} |",
             f"| file store after restart, files dropped from page cache | {r['store_s_disk']:.3f} | "
             f"{r['store_s_disk'] / r['pool_s_disk']:.2f}x | {r['cached_tokens'][2]} |",
