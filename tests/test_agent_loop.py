@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
-import openai
 import pytest
 
 from prefixserve import EngineConfig, LLMEngine
@@ -43,8 +41,7 @@ def covered(prompt_tokens: int, completion_tokens: int) -> int:
     return (prompt_tokens + completion_tokens - 1) // BS * BS
 
 
-def test_openai_agent_loop_reuses_every_previous_turn(server):
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def test_openai_agent_loop_reuses_every_previous_turn(server, client):
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": "Plan a week: weather in Paris, Oslo and Lima, and their times."}]
     previous = None
@@ -69,8 +66,7 @@ def test_openai_agent_loop_reuses_every_previous_turn(server):
     assert_pool_idle(server)
 
 
-def test_anthropic_streamed_agent_loop_reuses_every_previous_turn(server):
-    claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+def test_anthropic_streamed_agent_loop_reuses_every_previous_turn(server, claude):
     messages = [{"role": "user", "content": "Weather and time for Paris, Oslo and Lima, please."}]
     previous = None
     per_turn = []
@@ -96,8 +92,7 @@ def test_anthropic_streamed_agent_loop_reuses_every_previous_turn(server):
     assert_pool_idle(server)
 
 
-def test_a_template_that_drops_earlier_reasoning_is_diagnosed_where_it_rewrites(server):
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def test_a_template_that_drops_earlier_reasoning_is_diagnosed_where_it_rewrites(server, client):
     thought = "The user wants Paris; call the weather tool first."
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Paris?"},
                 {"role": "assistant", "reasoning_content": thought, "content": "Checking.",

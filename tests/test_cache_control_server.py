@@ -76,11 +76,6 @@ def tokenizer(server):
 
 
 @pytest.fixture()
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture()
 def http(server):
     with httpx.Client(base_url=server.base_url, timeout=120) as c:
         yield c
@@ -103,11 +98,11 @@ def chat_prompt_tokens(tokenizer, system: str, user: str) -> int:
 
 
 @pytest.fixture()
-def flooder(oai, tokenizer):
+def flooder(client, tokenizer):
     def flood(seed: int, n: int = 10, tokens: int = 400) -> None:
         """Unrelated prompts worth more than the pool: LRU alone would evict every older prefix."""
         for i in range(n):
-            oai.completions.create(model=MODEL, prompt=document(1000 * seed + i, tokens, tokenizer),
+            client.completions.create(model=MODEL, prompt=document(1000 * seed + i, tokens, tokenizer),
                                    max_tokens=1)
     return flood
 
@@ -147,12 +142,12 @@ def test_pinned_document_survives_a_flood_and_the_unpinned_one_is_evicted(server
     assert plain_again.usage.cache_read_input_tokens == 0
 
 
-def test_pin_expires_after_its_ttl_and_becomes_evictable(server, clock, oai, flooder, tokenizer):
+def test_pin_expires_after_its_ttl_and_becomes_evictable(server, clock, client, flooder, tokenizer):
     doc = document(3, 1000, tokenizer)
     messages = [{"role": "user", "content": [
         {"type": "text", "text": doc, "cache_control": {"type": "ephemeral", "ttl": "5m"}},
         {"type": "text", "text": "What is this about?"}]}]
-    r = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
     (report,) = r.model_extra["prefixserve"]["cache_breakpoints"]
     assert report["ttl_seconds"] == 300 * TTL_SCALE and report["error"] is None
     assert abs(report["expires_at"] - time.time() - 300 * TTL_SCALE) < 10
@@ -160,7 +155,7 @@ def test_pin_expires_after_its_ttl_and_becomes_evictable(server, clock, oai, flo
     clock.offset += 300 * TTL_SCALE + 1
     assert live_pins(server) == []
     flooder(2)
-    again = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
     assert again.usage.prompt_tokens_details.cached_tokens == 0
 
 
@@ -178,7 +173,7 @@ def test_a_hit_refreshes_the_pin_and_never_shortens_it(server, clock, claude, to
 
 
 # ---------------------------------------------------------------------- usage
-def test_usage_adds_up_on_both_endpoints_and_in_streams(server, oai, claude, tokenizer):
+def test_usage_adds_up_on_both_endpoints_and_in_streams(server, client, claude, tokenizer):
     doc = document(5, 600, tokenizer)
     first = ask(claude, doc, "One")
     second = ask(claude, doc, "Two, a longer question this time")
@@ -199,12 +194,12 @@ def test_usage_adds_up_on_both_endpoints_and_in_streams(server, oai, claude, tok
     chat_messages = [{"role": "system", "content": [{"type": "text", "text": "(chat) " + doc,
                                                      "cache_control": {"type": "ephemeral"}}]},
                      {"role": "user", "content": "Four"}]
-    r = oai.chat.completions.create(model=MODEL, messages=chat_messages, max_tokens=2)
+    r = client.chat.completions.create(model=MODEL, messages=chat_messages, max_tokens=2)
     details = r.usage.prompt_tokens_details
     (chat_pin,) = [p for p in live_pins(server) if p.pin_id != pin.pin_id]
     assert details.cache_write_tokens == chat_pin.num_tokens > 0
     assert details.cached_tokens + details.cache_write_tokens <= r.usage.prompt_tokens
-    chunks = list(oai.chat.completions.create(model=MODEL, messages=chat_messages, max_tokens=2,
+    chunks = list(client.chat.completions.create(model=MODEL, messages=chat_messages, max_tokens=2,
                                               stream=True, stream_options={"include_usage": True}))
     usage = [c.usage for c in chunks if c.usage is not None][0]
     assert usage.prompt_tokens == r.usage.prompt_tokens
@@ -212,11 +207,11 @@ def test_usage_adds_up_on_both_endpoints_and_in_streams(server, oai, claude, tok
     assert usage.prompt_tokens_details.cache_write_tokens == 0
 
 
-def test_tool_and_automatic_breakpoints(server, oai, claude, tokenizer):
+def test_tool_and_automatic_breakpoints(server, client, claude, tokenizer):
     tool = {"type": "function", "function": {"name": "search", "description": document(12, 300, tokenizer),
                                              "parameters": {"type": "object"}}}
     messages = [{"role": "user", "content": "Find it."}]
-    r = oai.chat.completions.create(model=MODEL, max_tokens=2, messages=messages,
+    r = client.chat.completions.create(model=MODEL, max_tokens=2, messages=messages,
                                     tools=[{**tool, "cache_control": {"type": "ephemeral"}}])
     # The mark is taken off before rendering: the prompt is the one without it.
     assert r.usage.prompt_tokens == len(tokenizer.apply_chat_template(messages, tools=[tool], tokenize=True))
@@ -233,7 +228,7 @@ def test_tool_and_automatic_breakpoints(server, oai, claude, tokenizer):
     assert auto_pin.num_tokens == len(tokenizer.encode("<|im_start|>user\n" + question)) // BS * BS
 
 
-def test_more_than_four_breakpoints_is_a_clear_400(server, oai, claude, http):
+def test_more_than_four_breakpoints_is_a_clear_400(server, client, claude, http):
     before = server.in_engine(lambda e: e.stats().prompt_tokens)
     blocks = [{"type": "text", "text": f"part {i}", "cache_control": {"type": "ephemeral"}}
               for i in range(5)]
@@ -242,7 +237,7 @@ def test_more_than_four_breakpoints_is_a_clear_400(server, oai, claude, http):
                                messages=[{"role": "user", "content": blocks[2:]}])
     assert "at most 4" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:
-        oai.chat.completions.create(model=MODEL, max_tokens=2,
+        client.chat.completions.create(model=MODEL, max_tokens=2,
                                     messages=[{"role": "user", "content": blocks}])
     assert "at most 4" in str(info.value) and info.value.body["param"] == \
         "messages[0].content[4].cache_control"
@@ -269,7 +264,7 @@ def test_a_pin_beyond_the_cap_is_reported_not_dropped(server, claude, http, toke
 
 
 # ------------------------------------------------------------ cached contents
-def test_cached_contents_lifecycle(server, http, oai, claude, tokenizer):
+def test_cached_contents_lifecycle(server, http, client, claude, tokenizer):
     doc = document(8, 700, tokenizer)
     body = {"name": "manual", "system": doc, "ttl": "1h",
             "tools": [{"name": "lookup", "description": "Look a term up",
@@ -297,14 +292,14 @@ def test_cached_contents_lifecycle(server, http, oai, claude, tokenizer):
     (pin,) = live_pins(server)
     assert pin.num_tokens == aligned
 
-    r = oai.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+    r = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
         {"role": "user", "content": "Which tool would you use?"}], extra_body={"cached_content": "manual"})
     assert r.usage.prompt_tokens_details.cached_tokens == aligned
     m = claude.messages.create(model=MODEL, max_tokens=2, extra_body={"cached_content": content["id"]},
                                messages=[{"role": "user", "content": "And now?"}])
     assert m.usage.cache_read_input_tokens == aligned
     with pytest.raises(openai.BadRequestError, match="does not start with cached content"):
-        oai.chat.completions.create(
+        client.chat.completions.create(
             model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}],
             extra_body={"cached_content": "manual",
                         "chat_template": "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"})
@@ -319,7 +314,7 @@ def test_cached_contents_lifecycle(server, http, oai, claude, tokenizer):
     assert http.get(f"/v1/cached_contents/{content['id']}").status_code == 404
     assert http.get("/v1/cached_contents").json()["data"] == []
     with pytest.raises(openai.NotFoundError):
-        oai.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}],
+        client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}],
                                     extra_body={"cached_content": "manual"})
 
 
@@ -402,9 +397,9 @@ def test_messages_stop_sequences_and_errors(server, claude, http):
 def test_priority_reaches_the_priority_eviction_policy(tokenizer, policy):
     engine = LLMEngine(EngineConfig(**{**ENGINE, "eviction_policy": policy}))
     with LiveServer(build_app(engine)) as live, \
-            openai.OpenAI(base_url=live.base_url + "/v1", api_key="unused", max_retries=0) as oai:
+            openai.OpenAI(base_url=live.base_url + "/v1", api_key="unused", max_retries=0) as client:
         def chat(doc: str, priority: int):
-            return oai.chat.completions.create(model=MODEL, max_tokens=1, extra_body={"priority": priority},
+            return client.chat.completions.create(model=MODEL, max_tokens=1, extra_body={"priority": priority},
                                                messages=[{"role": "user", "content": doc}])
         important, ordinary = document(10, 1200, tokenizer), document(11, 1200, tokenizer)
         chat(important, 10)

@@ -40,6 +40,7 @@ class StoreChain:
         self._stats = [KVStoreStats(store=s.display) for s in self.stores]
         self._down_until = [0.0] * len(self.stores)
         self._failing = [False] * len(self.stores)
+        self._readers: Optional[ThreadPoolExecutor] = None   # started by the first batched read
 
     # ------------------------------------------------------------- faults
     def _up(self, i: int) -> bool:
@@ -152,8 +153,9 @@ class StoreChain:
             if len(metas) == 1:
                 results = [one(0)]
             else:
-                with ThreadPoolExecutor(_READERS, thread_name_prefix="prefixserve-kv-read") as pool:
-                    results = list(pool.map(one, range(len(metas))))
+                if self._readers is None:
+                    self._readers = ThreadPoolExecutor(_READERS, thread_name_prefix="prefixserve-kv-read")
+                results = list(self._readers.map(one, range(len(metas))))
         except StoreError as exc:
             self._fault(i, exc)
             return [False] * len(metas)
@@ -244,5 +246,7 @@ class StoreChain:
         return out
 
     def close(self) -> None:
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
         for store in self.stores:
             store.close()

@@ -103,41 +103,6 @@ static inline void norm_rotate(const float* src, float* dst, const float* weight
     }
 }
 
-/* qkv: [rows, row_stride], q heads at column 0, k heads right after them;
- * q_out: [rows, q_heads, d], k_out: [rows, k_heads, d]; cos, sin: [rows, d / 2];
- * q_weight, k_weight: [d] or both NULL (no per-head norm). d % 16 == 0. */
-void qk_norm_rope(const float* qkv, long row_stride, long q_heads, long k_heads, long d,
-                  const float* q_weight, const float* k_weight, float eps, const float* cos, const float* sin,
-                  float* q_out, float* k_out, long rows, int threads) {
-    const long heads = q_heads + k_heads;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads * d >= PARALLEL_MIN_FLOATS)
-    for (long t = 0; t < rows; t++) {
-        const float* src = qkv + t * row_stride;
-        const float* c = cos + t * (d / 2);
-        const float* s = sin + t * (d / 2);
-        for (long h = 0; h < q_heads; h++)
-            norm_rotate(src + h * d, q_out + (t * q_heads + h) * d, q_weight, eps, c, s, d);
-        for (long h = 0; h < k_heads; h++)
-            norm_rotate(src + (q_heads + h) * d, k_out + (t * k_heads + h) * d, k_weight, eps, c, s, d);
-    }
-}
-
-/* gate_up: [rows, 2 n] (gate then up), out: [rows, n]. n % 8 == 0. */
-void silu_and_mul(const float* gate_up, float* out, long rows, long n, int threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= PARALLEL_MIN_FLOATS)
-    for (long t = 0; t < rows; t++) {
-        const float* g = gate_up + t * 2 * n;
-        const float* u = g + n;
-        float* y = out + t * n;
-        const __m256 one = _mm256_set1_ps(1.0f);
-        for (long i = 0; i < n; i += 8) {
-            __m256 x = _mm256_loadu_ps(g + i);
-            __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-            _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
-        }
-    }
-}
-
 /* ------------------------------------------------------------------ bfloat16 */
 
 static inline __m256 load_bf16(const uint16_t* p) {
@@ -201,33 +166,49 @@ static inline void norm_rotate_bf16(const uint16_t* src, uint16_t* dst, const ui
     }
 }
 
-void qk_norm_rope_bf16(const uint16_t* qkv, long row_stride, long q_heads, long k_heads, long d,
-                       const uint16_t* q_weight, const uint16_t* k_weight, float eps, const uint16_t* cos,
-                       const uint16_t* sin, uint16_t* q_out, uint16_t* k_out, long rows, int threads) {
-    const long heads = q_heads + k_heads;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * heads * d >= PARALLEL_MIN_FLOATS)
-    for (long t = 0; t < rows; t++) {
-        const uint16_t* src = qkv + t * row_stride;
-        const uint16_t* c = cos + t * (d / 2);
-        const uint16_t* s = sin + t * (d / 2);
-        for (long h = 0; h < q_heads; h++)
-            norm_rotate_bf16(src + h * d, q_out + (t * q_heads + h) * d, q_weight, eps, c, s, d);
-        for (long h = 0; h < k_heads; h++)
-            norm_rotate_bf16(src + (q_heads + h) * d, k_out + (t * k_heads + h) * d, k_weight, eps, c, s, d);
-    }
+/* ------------------------------------------------------------------ row drivers, both dtypes */
+
+static inline __m256 load_f32(const float* p) { return _mm256_loadu_ps(p); }
+static inline void store_f32(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+/* qkv: [rows, row_stride], q heads at column 0, k heads right after them;
+ * q_out: [rows, q_heads, d], k_out: [rows, k_heads, d]; cos, sin: [rows, d / 2];
+ * q_weight, k_weight: [d] or both NULL (no per-head norm). d % 16 == 0. */
+#define QK_NORM_ROPE(S, T, NORM_ROTATE)                                                                    \
+void qk_norm_rope##S(const T* qkv, long row_stride, long q_heads, long k_heads, long d,                    \
+                     const T* q_weight, const T* k_weight, float eps, const T* cos, const T* sin,          \
+                     T* q_out, T* k_out, long rows, int threads) {                                         \
+    const long heads = q_heads + k_heads;                                                                  \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (rows * heads * d >= PARALLEL_MIN_FLOATS)") \
+    for (long t = 0; t < rows; t++) {                                                                      \
+        const T* src = qkv + t * row_stride;                                                               \
+        const T* c = cos + t * (d / 2);                                                                    \
+        const T* s = sin + t * (d / 2);                                                                    \
+        for (long h = 0; h < q_heads; h++)                                                                 \
+            NORM_ROTATE(src + h * d, q_out + (t * q_heads + h) * d, q_weight, eps, c, s, d);               \
+        for (long h = 0; h < k_heads; h++)                                                                 \
+            NORM_ROTATE(src + (q_heads + h) * d, k_out + (t * k_heads + h) * d, k_weight, eps, c, s, d);   \
+    }                                                                                                      \
 }
 
-void silu_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, long rows, long n, int threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= PARALLEL_MIN_FLOATS)
-    for (long t = 0; t < rows; t++) {
-        const uint16_t* g = gate_up + t * 2 * n;
-        const uint16_t* u = g + n;
-        uint16_t* y = out + t * n;
-        const __m256 one = _mm256_set1_ps(1.0f);
-        for (long i = 0; i < n; i += 8) {
-            __m256 x = load_bf16(g + i);
-            __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-            store_bf16(y + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), load_bf16(u + i)));
-        }
-    }
+/* gate_up: [rows, 2 n] (gate then up), out: [rows, n]. n % 8 == 0. */
+#define SILU_AND_MUL(S, T, LOAD, STORE)                                                                    \
+void silu_and_mul##S(const T* gate_up, T* out, long rows, long n, int threads) {                          \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (rows * n >= PARALLEL_MIN_FLOATS)") \
+    for (long t = 0; t < rows; t++) {                                                                      \
+        const T* g = gate_up + t * 2 * n;                                                                  \
+        const T* u = g + n;                                                                                \
+        T* y = out + t * n;                                                                                \
+        const __m256 one = _mm256_set1_ps(1.0f);                                                           \
+        for (long i = 0; i < n; i += 8) {                                                                  \
+            __m256 x = LOAD(g + i);                                                                        \
+            __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), x)))); \
+            STORE(y + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), LOAD(u + i)));                               \
+        }                                                                                                  \
+    }                                                                                                      \
 }
+
+QK_NORM_ROPE(, float, norm_rotate)
+QK_NORM_ROPE(_bf16, uint16_t, norm_rotate_bf16)
+SILU_AND_MUL(, float, load_f32, store_f32)
+SILU_AND_MUL(_bf16, uint16_t, load_bf16, store_bf16)
