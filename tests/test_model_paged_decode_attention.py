@@ -1,4 +1,7 @@
-"""The paged decode-attention kernel against plain float64 softmax attention over gathered K/V."""
+"""The paged decode-attention kernel against plain float64 softmax attention over gathered K/V, in
+each body this CPU runs (AVX2 everywhere, AVX-512 where torch reports it), and the two properties
+exact prefix caching rests on: a softmax carried on from a shared run's state gives the bits of one
+pass over the whole context, and a row's bits do not depend on the rows beside it."""
 from __future__ import annotations
 
 import pytest
@@ -7,10 +10,12 @@ import torch
 from native_kernel_build import build_fresh
 from prefixserve.model.native.paged_decode_attention import PagedDecodeAttention, load
 
+BODIES = ["avx2"] + (["avx512"] if torch.backends.cpu.get_cpu_capability() == "AVX512" else [])
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory) -> PagedDecodeAttention:
-    return build_fresh(load, tmp_path_factory)
+
+@pytest.fixture(scope="module", params=BODIES)
+def kernel(request, tmp_path_factory) -> PagedDecodeAttention:
+    return build_fresh(load, tmp_path_factory).with_avx512(request.param == "avx512")
 
 
 def reference(q, pool, tables, lens, scale):
@@ -50,3 +55,50 @@ def test_rejects_lengths_past_the_table(kernel: PagedDecodeAttention) -> None:
     pool = torch.zeros(2, 4, 4, 1, 8)
     with pytest.raises(ValueError, match="past its block table"):
         kernel(torch.zeros(1, 1, 1, 8), pool, torch.tensor([[0, 1]]), torch.tensor([9]), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 144])
+def test_carrying_a_runs_state_gives_the_bits_of_one_pass(kernel: PagedDecodeAttention, dtype: torch.dtype,
+                                                         head_dim: int) -> None:
+    """Several sequences share their first blocks (a cached document): the run is attended once with
+    every member's queries stacked as the rows of one task, left unfinished, and each member carries
+    on over its own blocks. Each member must get exactly what one pass over its whole table gives,
+    whatever the number of members stacked."""
+    gen = torch.Generator().manual_seed(head_dim)
+    block_size, kv_heads, group, run_blocks, num_blocks = 16, 2, 3, 5, 40
+    pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen)
+    run, rest = order[:run_blocks], order[run_blocks:]
+    for members in (1, 2, 7):
+        q = torch.randn(members, kv_heads, group, head_dim, generator=gen)
+        own = torch.stack([rest[i * 3:i * 3 + 3] for i in range(members)])            # 3 blocks each
+        own_lens = torch.randint(1, 3 * block_size + 1, (members,), generator=gen)
+        whole_tables = torch.cat([run.expand(members, -1), own], 1)
+        want_out, want_lse = kernel(q, pool, whole_tables, own_lens + run_blocks * block_size, 0.1)
+
+        stacked = q.transpose(0, 1).reshape(1, kv_heads, members * group, head_dim)
+        part = kernel.partial(stacked, pool, run[None], torch.tensor([run_blocks * block_size]), 0.1)
+        unstack = lambda x: x.view(kv_heads, members, group, *x.shape[3:]).transpose(0, 1).contiguous()
+        state = type(part)(unstack(part.acc), unstack(part.m), unstack(part.l))
+        out, lse = kernel(q, pool, own, own_lens, 0.1, carry=state)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse), members
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(kernel: PagedDecodeAttention, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    pool = torch.randn(2, 12, 16, 1, 128, generator=gen).to(dtype)
+    tables, lens = torch.randperm(12, generator=gen)[None, :10], torch.tensor([150])
+    q = torch.randn(1, 1, 20, 128, generator=gen)
+    out, lse = kernel(q, pool, tables, lens, 0.09)
+    for r in range(20):
+        alone_out, alone_lse = kernel(q[:, :, r:r + 1].contiguous(), pool, tables, lens, 0.09)
+        assert torch.equal(alone_out[0, 0, 0], out[0, 0, r]) and torch.equal(alone_lse[0, 0, 0], lse[0, 0, r]), r
+
+
+def test_carry_must_match_the_queries(kernel: PagedDecodeAttention) -> None:
+    pool = torch.zeros(2, 4, 4, 1, 16)
+    part = kernel.partial(torch.zeros(1, 1, 2, 16), pool, torch.tensor([[0]]), torch.tensor([4]), 1.0)
+    with pytest.raises(ValueError, match="carry"):
+        kernel(torch.zeros(1, 1, 3, 16), pool, torch.tensor([[1]]), torch.tensor([4]), 1.0, carry=part)

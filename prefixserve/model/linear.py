@@ -1,6 +1,7 @@
 """Dense projections routed to the fastest matmul kernel for the shape and device.
 
-Up to `native.small_m_gemm.MAX_ROWS` rows on an AVX2 CPU, the project's own kernel
+Up to `native.small_m_gemm.max_rows(dtype)` rows on an AVX2 CPU (every row count in bfloat16
+with the avx512_bf16 body: batch invariance, see there), the project's own kernel
 (`native/small_m_gemm.c`) streams each weight once at nearly the memory bandwidth. Otherwise,
 on CPU, F.linear calls MKL's sgemm, which on this project's machines (AMD EPYC, 2
 threads) streams a weight at 2-10 GB/s when 1-16 rows multiply it: exactly the

@@ -4,10 +4,11 @@ Sixteen questions about one cached document decode together: their block
 tables start with the same blocks. Reading each sequence's whole context would
 copy the document's K/V sixteen times per layer per step; instead each group
 of sequences with a common leading run of blocks attends to that run in one
-batched matmul (their queries stacked), and to its own remaining blocks (the
-"suffix") in a second, padded one. The two partial softmaxes are merged
-exactly through their log-sum-exps (the cascade / split-K trick of FlashInfer
-and flash-decoding).
+call (their queries stacked), and to its own remaining blocks (the "suffix")
+in a second one. The native kernel carries the run's unfinished softmax into
+the suffix (the same bits as one pass, see torch_paged.py); without it the two
+finished halves are merged through their log-sum-exps (the cascade / split-K
+trick of FlashInfer and flash-decoding).
 
 The plan depends only on the step's host arrays, so the torch backend builds it
 once per step (array operations over the block tables, a Python loop only over

@@ -7,7 +7,7 @@ from the pool (`native/paged_prefill_attention.c`); without it, each chunk
 gathers its sequence's blocks and runs one SDPA call. Every decode token of the
 step (query length 1) is answered together, reading each run of blocks shared
 by several sequences once (see cascade.py) and the rest through the native
-decode kernel or one padded gather. The decode plan is built once per step
+decode kernel, which carries on from the run's state, or one padded gather. The decode plan is built once per step
 (`build_metadata`) and travels in this backend's own metadata type.
 """
 from __future__ import annotations
@@ -22,13 +22,7 @@ from prefixserve.model.attention.cascade import DecodePlan, plan_decode
 from prefixserve.model.attention.metadata import AttentionMetadata
 from prefixserve.model.attention.registry import register_backend
 from prefixserve.model.native import paged_prefill_attention
-from prefixserve.model.native.paged_decode_attention import PagedDecodeAttention, default_kernel
-
-
-# The native decode kernel's cost grows with the query rows it serves (it is a loop of dot products);
-# the flash kernel over a gathered copy pays the gather but blocks its rows like a GEMM. Over a 1k-token
-# run they cross at about 20 rows.
-NATIVE_RUN_ROWS = 16
+from prefixserve.model.native.paged_decode_attention import DecodeState, PagedDecodeAttention, default_kernel
 
 
 class GatherBuffer:
@@ -143,48 +137,77 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: fl
     """Single-token queries q [N, H, D] over their contexts, each shared run read once.
 
     The G query heads of a KV head are laid out as G query rows of that head, so
-    grouped-query attention needs no K/V expansion. Suffix and run results are
-    merged exactly through their log-sum-exps.
+    grouped-query attention needs no K/V expansion.
     """
     n, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[-2]
     group = num_heads // num_kv_heads
-    # Partial results stay float32 until the merged one is rounded once, so a context split into a
-    # shared run and a suffix (prefix caching on) rounds exactly like the whole context read in one
-    # pass (caching off): in bfloat16 a second rounding flips greedy tokens.
+    # float32 until the result is rounded once: in bfloat16 a second rounding flips greedy tokens
     queries = q.view(n, num_kv_heads, group, head_dim).float()
-
     if kernel is not None:
-        out, lse = kernel(queries, kv_cache, plan.suffix_tables, plan.suffix_lens, scale)
-    else:
-        keys, values = gather(kv_cache, plan.suffix_tables.view(-1))
-        keys = keys.view(n, -1, num_kv_heads, head_dim).transpose(1, 2).float()
-        values = values.view(n, -1, num_kv_heads, head_dim).transpose(1, 2).float()
-        bias = None
-        if plan.suffix_padded:
-            bias = torch.zeros(plan.suffix_padding.shape, dtype=torch.float32, device=q.device)
-            bias.masked_fill_(plan.suffix_padding, float("-inf"))
-        out, lse = attention_with_lse(queries, keys, values, bias, scale)  # [N, KVH, G, D], [N, KVH, G]
+        return _decode_native(queries, kv_cache, plan, scale, kernel).reshape(n, num_heads, head_dim)
+    return _decode_gathered(queries, kv_cache, plan, scale, gather).reshape(n, num_heads, head_dim)
 
+
+def _stacked(queries: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+    """Every member's queries as rows of one task per KV head: [1, KVH, m * G, D]."""
+    _, num_kv_heads, group, head_dim = queries.shape
+    return queries.index_select(0, members).transpose(0, 1).reshape(1, num_kv_heads, len(members) * group, head_dim)
+
+
+def _unstacked(x: torch.Tensor, m: int) -> torch.Tensor:
+    """[1, KVH, m * G, ...] back to [m, KVH, G, ...]."""
+    return x.view(x.shape[1], m, -1, *x.shape[3:]).transpose(0, 1)
+
+
+def _decode_native(queries: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: float,
+                   kernel: PagedDecodeAttention) -> torch.Tensor:
+    """Each shared run once for all its members (their queries stacked as the rows of one task per KV
+    head), then every sequence's own blocks carrying on from where its run left the online softmax.
+    The kernel treats every row alike whatever the rows beside it, so each sequence gets the bits one
+    pass over its whole context gives: caching on (a run) and off (no run) agree exactly."""
+    n, num_kv_heads, group, head_dim = queries.shape
+    state = None
+    if plan.shared:
+        state = DecodeState(torch.zeros_like(queries), torch.full(queries.shape[:3], float("-inf")),
+                            torch.zeros(queries.shape[:3]))
+        for run in plan.shared:
+            m = len(run.members)
+            run_lens = torch.tensor([run.blocks.numel() * kv_cache.shape[2]], device=queries.device)
+            part = kernel.partial(_stacked(queries, run.members), kv_cache, run.blocks[None], run_lens, scale)
+            state.acc.index_copy_(0, run.members, _unstacked(part.acc, m))
+            state.m.index_copy_(0, run.members, _unstacked(part.m, m))
+            state.l.index_copy_(0, run.members, _unstacked(part.l, m))
+    out, _ = kernel(queries, kv_cache, plan.suffix_tables, plan.suffix_lens, scale, carry=state)
+    return out
+
+
+def _decode_gathered(queries: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: float,
+                     gather: GatherBuffer) -> torch.Tensor:
+    """Without the native kernel: the suffixes through one padded gather, each shared run through one
+    gather, merged exactly through their log-sum-exps (the cascade / split-K trick of FlashInfer and
+    flash-decoding; equal to one pass up to float32 rounding, not bit for bit)."""
+    n, num_kv_heads, group, head_dim = queries.shape
+    keys, values = gather(kv_cache, plan.suffix_tables.view(-1))
+    keys = keys.view(n, -1, num_kv_heads, head_dim).transpose(1, 2).float()
+    values = values.view(n, -1, num_kv_heads, head_dim).transpose(1, 2).float()
+    bias = None
+    if plan.suffix_padded:
+        bias = torch.zeros(plan.suffix_padding.shape, dtype=torch.float32, device=queries.device)
+        bias.masked_fill_(plan.suffix_padding, float("-inf"))
+    out, lse = attention_with_lse(queries, keys, values, bias, scale)  # [N, KVH, G, D], [N, KVH, G]
     for run in plan.shared:
         members = run.members
         m = len(members)
-        # every member's queries against the run at once: [1, KVH, m * G, D] over [1, KVH, P, D]
-        stacked = queries.index_select(0, members).transpose(0, 1).reshape(1, num_kv_heads, m * group, head_dim)
-        if kernel is not None and m * group <= NATIVE_RUN_ROWS:
-            run_lens = torch.tensor([run.blocks.numel() * kv_cache.shape[2]], device=q.device)
-            run_out, run_lse = kernel(stacked, kv_cache, run.blocks[None], run_lens, scale)
-        else:
-            run_keys, run_values = gather(kv_cache, run.blocks)
-            run_keys, run_values = run_keys.transpose(0, 1)[None].float(), run_values.transpose(0, 1)[None].float()
-            run_out, run_lse = attention_with_lse(stacked, run_keys, run_values, None, scale)
-        run_out = run_out.view(num_kv_heads, m, group, head_dim).transpose(0, 1)
-        run_lse = run_lse.view(num_kv_heads, m, group).transpose(0, 1)
+        run_keys, run_values = gather(kv_cache, run.blocks)
+        run_keys, run_values = run_keys.transpose(0, 1)[None].float(), run_values.transpose(0, 1)[None].float()
+        run_out, run_lse = attention_with_lse(_stacked(queries, members), run_keys, run_values, None, scale)
+        run_out, run_lse = _unstacked(run_out, m), _unstacked(run_lse, m)
         own_out, own_lse = out.index_select(0, members), lse.index_select(0, members)
         both = torch.logaddexp(own_lse, run_lse)
         merged = (own_out * (own_lse - both).exp().unsqueeze(-1) + run_out * (run_lse - both).exp().unsqueeze(-1))
         out.index_copy_(0, members, merged)
-    return out.reshape(n, num_heads, head_dim)
+    return out
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,

@@ -1,10 +1,13 @@
-/* Decode attention read straight from the paged KV pool, float32 math, AVX2 + FMA.
+/* Decode attention read straight from the paged KV pool, float32 math, AVX2 + FMA (an AVX-512 body below).
  *
  * For each (sequence b, KV head h): the R query rows of q[b, h] (the G query heads of a
  * grouped-query KV head, or several sequences' heads stacked over a shared run) attend to
  * the first lens[b] slots of the blocks tables[b, :], with an online softmax block by
- * block. Returns the outputs and the log-sum-exps of the scaled scores, so partial results
- * over disjoint parts of a context merge exactly.
+ * block. Returns the outputs and the log-sum-exps of the scaled scores, or (finalize = 0) leaves
+ * the unnormalised outputs with the running max and denominator in state_m / state_l, for a
+ * later call (carry_in = 1) over the following blocks to carry on from: one pass over a shared
+ * run for several sequences, then each sequence's own blocks, gives the bits of one pass over
+ * the whole context.
  *
  * The torch path gathers the blocks into a dense copy, then reads the copy: three passes
  * over K/V, which at decode time outweighs the arithmetic. Here every K/V row is read
@@ -33,6 +36,38 @@ static inline __m256 load_f32(const float* p) { return _mm256_loadu_ps(p); }
 
 static inline __m256 load_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+/* A task's rows begin from nothing (m = -inf, l = 0, acc = 0) or, carried in, from the state an earlier
+ * call left for the blocks before these: the unnormalised accumulator in acc, m and l in state_m/l. */
+static void start_rows(float* acc, float* m, float* l, const float* state_m, const float* state_l, long rows,
+                       long head_dim, int carry_in) {
+    for (long r = 0; r < rows; r++) {
+        if (carry_in) {
+            m[r] = state_m[r];
+            l[r] = state_l[r];
+        } else {
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+            for (long e = 0; e < head_dim; e++) acc[r * head_dim + e] = 0.0f;
+        }
+    }
+}
+
+/* Finalised: acc divided by l, and the log-sum-exp of the scaled scores. Otherwise the state is left for
+ * a later call to carry on from: acc unnormalised, m and l in state_m/l. */
+static void end_rows(float* acc, const float* m, const float* l, float* lse, float* state_m, float* state_l,
+                     long rows, long head_dim, int finalize) {
+    for (long r = 0; r < rows; r++) {
+        if (finalize) {
+            float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+            for (long e = 0; e < head_dim; e++) acc[r * head_dim + e] *= inv;
+            lse[r] = l[r] > 0.0f ? m[r] + logf(l[r]) : -INFINITY;
+        } else {
+            state_m[r] = m[r];
+            state_l[r] = l[r];
+        }
+    }
 }
 
 /* One body for both pool types: T is the pool's element type, LOAD widens 8 of them to float32 lanes.
@@ -83,7 +118,8 @@ static inline void scale_accumulate##S(float* acc, float alpha, const float* p, 
                                                                                                          \
 static void decode##S(const float* q, const T* pool, const long* tables, const long* lens, long batch,    \
                       long kv_heads, long rows, long head_dim, long num_blocks, long block_size,         \
-                      long table_width, float scale, float* out, float* lse, int threads) {              \
+                      long table_width, float scale, float* out, float* lse, float* state_m,             \
+                      float* state_l, int carry_in, int finalize, int threads) {                         \
     const long token_stride = kv_heads * head_dim;      /* elements between slots of one head */         \
     const long block_stride = block_size * token_stride;                                                 \
     const T* v_pool = pool + num_blocks * block_stride;                                                  \
@@ -98,11 +134,7 @@ static void decode##S(const float* q, const T* pool, const long* tables, const l
             long b = task / kv_heads, h = task % kv_heads;                                               \
             const float* qb = q + task * rows * head_dim;                                                \
             float* acc = out + task * rows * head_dim;                                                   \
-            for (long r = 0; r < rows; r++) {                                                            \
-                m[r] = -INFINITY;                                                                        \
-                l[r] = 0.0f;                                                                             \
-                for (long e = 0; e < head_dim; e++) acc[r * head_dim + e] = 0.0f;                        \
-            }                                                                                            \
+            start_rows(acc, m, l, state_m + task * rows, state_l + task * rows, rows, head_dim, carry_in); \
             long len = lens[b];                                                                          \
             for (long j = 0; j * block_size < len; j++) {                                                \
                 long n = len - j * block_size < block_size ? len - j * block_size : block_size;          \
@@ -131,11 +163,8 @@ static void decode##S(const float* q, const T* pool, const long* tables, const l
                     scale_accumulate##S(acc + r * head_dim, alpha, sr, vb, n, token_stride, head_dim);   \
                 }                                                                                        \
             }                                                                                            \
-            for (long r = 0; r < rows; r++) {                                                            \
-                float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;                                            \
-                for (long e = 0; e < head_dim; e++) acc[r * head_dim + e] *= inv;                        \
-                lse[task * rows + r] = l[r] > 0.0f ? m[r] + logf(l[r]) : -INFINITY;                      \
-            }                                                                                            \
+            end_rows(acc, m, l, lse + task * rows, state_m + task * rows, state_l + task * rows, rows,      \
+                     head_dim, finalize);                                                                \
         }                                                                                                \
         free(m);                                                                                         \
     }                                                                                                    \
@@ -144,14 +173,209 @@ static void decode##S(const float* q, const T* pool, const long* tables, const l
 PAGED_DECODE(_f32, float, load_f32)
 PAGED_DECODE(_bf16, uint16_t, load_bf16)
 
+/* The AVX-512 body, for head_dim % 16 == 0: the same online softmax, with the rows of a task blocked
+ * like a GEMM so that each K and V row serves several query rows. A task's rows are the G heads of a
+ * KV head, or many sequences' heads stacked over a shared run: the more rows, the more a key is
+ * reused. Per block: K and V widened once into float32 scratch (a bfloat16 pool; a float32 pool is
+ * read in place), scores 6 rows x 4 keys in 24 accumulators of 16 lanes summed by reduce4, the
+ * softmax 16 scores at a time with a polynomial exp, values 3 rows x 128 columns in 24 accumulators.
+ * Each score and each output element goes through the same operations in the same order whatever
+ * the number of rows in the task, so a row's result does not depend on the rows beside it. */
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#define QK_ROWS 6
+#define PV_ROWS 3
+#define PV_VECS 8       /* 128 columns */
+
+/* [sum a0, sum a1, sum a2, sum a3]; each sum combines one accumulator's lanes only, in a fixed order. */
+AVX512_TARGET static ALWAYS_INLINE __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* e^x for x <= 0 (relative error ~2e-7, as the prefill kernel's exp2); below ~-87 gives ~2^-125. */
+AVX512_TARGET static ALWAYS_INLINE __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _mm512_set1_ps(-125.0f));
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3276425e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6755317e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507135e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Scores of NR query rows (d apart) against the 4 keys k[0..4) (float32): s[r * sstride + 0..4). */
+AVX512_TARGET static ALWAYS_INLINE void qk512(const float* q, long d, const float* const* k, float* s, long sstride,
+                                             const int NR) {
+    __m512 a[QK_ROWS][4];
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < 4; j++) a[r][j] = _mm512_setzero_ps();
+    for (long p = 0; p < d; p += 16) {
+        __m512 k0 = _mm512_loadu_ps(k[0] + p), k1 = _mm512_loadu_ps(k[1] + p), k2 = _mm512_loadu_ps(k[2] + p),
+               k3 = _mm512_loadu_ps(k[3] + p);
+        for (int r = 0; r < NR; r++) {
+            __m512 x = _mm512_loadu_ps(q + r * d + p);
+            a[r][0] = _mm512_fmadd_ps(x, k0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(x, k1, a[r][1]);
+            a[r][2] = _mm512_fmadd_ps(x, k2, a[r][2]);
+            a[r][3] = _mm512_fmadd_ps(x, k3, a[r][3]);
+        }
+    }
+    for (int r = 0; r < NR; r++) _mm_storeu_ps(s + r * sstride, reduce4(a[r][0], a[r][1], a[r][2], a[r][3]));
+}
+
+/* acc[r] = acc[r] * alpha[r] + sum_t p[r][t] v[t] for NR rows (d apart), columns [e, e + 16 NV);
+ * v rows (float32) vstride apart. */
+AVX512_TARGET static ALWAYS_INLINE void pv512(float* acc, long d, long e, const float* alpha, const float* p,
+                                             long pstride, const float* v, long vstride, long n, const int NR,
+                                             const int NV) {
+    __m512 c[PV_ROWS][PV_VECS];
+    for (int r = 0; r < NR; r++) {
+        __m512 al = _mm512_set1_ps(alpha[r]);
+        for (int i = 0; i < NV; i++) c[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + e + 16 * i), al);
+    }
+    for (long t = 0; t < n; t++) {
+        __m512 w[PV_ROWS];
+        for (int r = 0; r < NR; r++) w[r] = _mm512_set1_ps(p[r * pstride + t]);
+        const float* vt = v + t * vstride + e;
+        for (int i = 0; i < NV; i++) {
+            __m512 x = _mm512_loadu_ps(vt + 16 * i);
+            for (int r = 0; r < NR; r++) c[r][i] = _mm512_fmadd_ps(w[r], x, c[r][i]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < NV; i++) _mm512_storeu_ps(acc + r * d + e + 16 * i, c[r][i]);
+}
+
+AVX512_TARGET static void pv_rows512(float* acc, long d, const float* alpha, const float* p, long pstride,
+                                     const float* v, long vstride, long n, const int NR) {
+    long e = 0;
+    for (; e + 16 * PV_VECS <= d; e += 16 * PV_VECS) pv512(acc, d, e, alpha, p, pstride, v, vstride, n, NR, PV_VECS);
+    for (; e < d; e += 16) pv512(acc, d, e, alpha, p, pstride, v, vstride, n, NR, 1);
+}
+
+/* Row r's scores s[0..n) (scaled here) update its running max m and sum l; they become e^(s - max),
+ * and alpha the factor the earlier accumulator is scaled by. 16 scores at a time. */
+AVX512_TARGET static void softmax_row512(float* sr, long n, float scale, float* m, float* l, float* alpha) {
+    __m512 top = _mm512_set1_ps(*m);
+    for (long t = 0; t < n; t += 16) {
+        __mmask16 valid = (__mmask16)(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1);
+        __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, sr + t), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(sr + t, valid, x);
+        top = _mm512_mask_max_ps(top, valid, top, x);
+    }
+    float new_max = _mm512_reduce_max_ps(top);
+    __m512 sum = _mm512_setzero_ps(), mx = _mm512_set1_ps(new_max);
+    for (long t = 0; t < n; t += 16) {
+        __mmask16 valid = (__mmask16)(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1);
+        __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sr + t), mx)));
+        _mm512_mask_storeu_ps(sr + t, valid, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    *alpha = expf(*m - new_max);   /* 0 on the first block: m = -inf */
+    *l = *l * *alpha + _mm512_reduce_add_ps(sum);
+    *m = new_max;
+}
+
+/* n rows of a pool block (stride apart) as float32 rows d apart: widened from bfloat16 into dst, or,
+ * for a float32 pool, read in place (*stride_out says which). */
+AVX512_TARGET static const float* rows_f32_bf16(const uint16_t* src, long stride, long n, long d, float* dst,
+                                                long* stride_out) {
+    for (long t = 0; t < n; t++)
+        for (long e = 0; e < d; e += 16)
+            _mm512_storeu_ps(dst + t * d + e, _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + t * stride + e))), 16)));
+    *stride_out = d;
+    return dst;
+}
+
+AVX512_TARGET static const float* rows_f32_f32(const float* src, long stride, long n, long d, float* dst,
+                                               long* stride_out) {
+    (void)n; (void)d; (void)dst;
+    *stride_out = stride;
+    return src;
+}
+
+#define PAGED_DECODE512(S, T)                                                                            \
+AVX512_TARGET static void decode512##S(const float* q, const T* pool, const long* tables, const long* lens, \
+                                       long batch, long kv_heads, long rows, long head_dim, long num_blocks, \
+                                       long block_size, long table_width, float scale, float* out, float* lse, \
+                                       float* state_m, float* state_l, int carry_in, int finalize, int threads) { \
+    const long token_stride = kv_heads * head_dim;                                                       \
+    const long block_stride = block_size * token_stride;                                                 \
+    const long sstride = (block_size + 15) / 16 * 16;  /* scores: four keys per store, 16 per softmax step */ \
+    const long d = head_dim;                                                                             \
+    const T* v_pool = pool + num_blocks * block_stride;                                                  \
+    _Pragma("omp parallel num_threads(threads)")                                                         \
+    {                                                                                                    \
+        float* m = malloc(sizeof(float) * (rows * (3 + sstride) + 2 * block_size * d));                  \
+        float* l = m + rows;                                                                             \
+        float* alpha = l + rows;                                                                         \
+        float* s = alpha + rows;                                                                         \
+        float* kbuf = s + rows * sstride;                                                                \
+        float* vbuf = kbuf + block_size * d;                                                             \
+        _Pragma("omp for schedule(static)")                                                              \
+        for (long task = 0; task < batch * kv_heads; task++) {                                           \
+            long b = task / kv_heads, h = task % kv_heads;                                               \
+            const float* qb = q + task * rows * d;                                                       \
+            float* acc = out + task * rows * d;                                                          \
+            start_rows(acc, m, l, state_m + task * rows, state_l + task * rows, rows, d, carry_in);      \
+            long len = lens[b];                                                                          \
+            for (long j = 0; j * block_size < len; j++) {                                                \
+                long n = len - j * block_size < block_size ? len - j * block_size : block_size;          \
+                long blk = tables[b * table_width + j];                                                  \
+                long kstride, vstride;                                                                   \
+                const float* kb = rows_f32##S(pool + blk * block_stride + h * d, token_stride, n, d, kbuf, &kstride); \
+                const float* vb = rows_f32##S(v_pool + blk * block_stride + h * d, token_stride, n, d, vbuf, &vstride); \
+                for (long t = 0; t < n; t += 4) {                                                        \
+                    const float* k[4];                                                                   \
+                    /* past the block's end the last key stands in: its scores land in unread slots */  \
+                    for (int i = 0; i < 4; i++) k[i] = kb + (t + i < n ? t + i : n - 1) * kstride;       \
+                    long r = 0;                                                                          \
+                    for (; r + QK_ROWS <= rows; r += QK_ROWS) qk512(qb + r * d, d, k, s + r * sstride + t, sstride, QK_ROWS); \
+                    switch (rows - r) {                                                                  \
+                        case 5: qk512(qb + r * d, d, k, s + r * sstride + t, sstride, 5); break;         \
+                        case 4: qk512(qb + r * d, d, k, s + r * sstride + t, sstride, 4); break;         \
+                        case 3: qk512(qb + r * d, d, k, s + r * sstride + t, sstride, 3); break;         \
+                        case 2: qk512(qb + r * d, d, k, s + r * sstride + t, sstride, 2); break;         \
+                        case 1: qk512(qb + r * d, d, k, s + r * sstride + t, sstride, 1); break;         \
+                        default: break;                                                                  \
+                    }                                                                                    \
+                }                                                                                        \
+                for (long r = 0; r < rows; r++) softmax_row512(s + r * sstride, n, scale, m + r, l + r, alpha + r); \
+                long r = 0;                                                                              \
+                for (; r + PV_ROWS <= rows; r += PV_ROWS)                                                \
+                    pv_rows512(acc + r * d, d, alpha + r, s + r * sstride, sstride, vb, vstride, n, PV_ROWS); \
+                if (rows - r == 2) pv_rows512(acc + r * d, d, alpha + r, s + r * sstride, sstride, vb, vstride, n, 2); \
+                else if (rows - r == 1) pv_rows512(acc + r * d, d, alpha + r, s + r * sstride, sstride, vb, vstride, n, 1); \
+            }                                                                                            \
+            end_rows(acc, m, l, lse + task * rows, state_m + task * rows, state_l + task * rows, rows, d, finalize); \
+        }                                                                                                \
+        free(m);                                                                                         \
+    }                                                                                                    \
+}
+
+PAGED_DECODE512(_f32, float)
+PAGED_DECODE512(_bf16, uint16_t)
+
+/* avx512: the caller has checked that the CPU runs AVX-512 and head_dim % 16 == 0. */
 void paged_decode_attention(const float* q, const void* pool, int pool_bf16, const long* tables, const long* lens,
                             long batch, long kv_heads, long rows, long head_dim, long num_blocks,
                             long block_size, long table_width, float scale, float* out, float* lse,
+                            float* state_m, float* state_l, int carry_in, int finalize, int avx512,
                             int threads) {
-    if (pool_bf16)
-        decode_bf16(q, pool, tables, lens, batch, kv_heads, rows, head_dim, num_blocks, block_size, table_width,
-                    scale, out, lse, threads);
-    else
-        decode_f32(q, pool, tables, lens, batch, kv_heads, rows, head_dim, num_blocks, block_size, table_width,
-                   scale, out, lse, threads);
+#define DECODE_ARGS tables, lens, batch, kv_heads, rows, head_dim, num_blocks, block_size, table_width, scale, \
+                    out, lse, state_m, state_l, carry_in, finalize, threads
+    if (avx512 && pool_bf16) decode512_bf16(q, pool, DECODE_ARGS);
+    else if (avx512) decode512_f32(q, pool, DECODE_ARGS);
+    else if (pool_bf16) decode_bf16(q, pool, DECODE_ARGS);
+    else decode_f32(q, pool, DECODE_ARGS);
+#undef DECODE_ARGS
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,15 +16,34 @@ import torch
 from prefixserve.model.native.build import load_default, load_kernel
 
 
-class PagedDecodeAttention:
-    """`__call__(q, kv_cache, tables, lens, scale)` -> (out [B, KVH, R, D], lse [B, KVH, R])."""
+@dataclass
+class DecodeState:
+    """Where an online softmax over a context's leading blocks left off, per query row: the unnormalised
+    output `acc` [B, KVH, R, D], the running max `m` and denominator `l` [B, KVH, R], all float32.
+    A later call carries on from it over the following blocks exactly as one pass over all of them
+    would (the same operations in the same order), which a merge of two finished halves does not."""
+    acc: torch.Tensor
+    m: torch.Tensor
+    l: torch.Tensor
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+
+class PagedDecodeAttention:
+    """`__call__(q, kv_cache, tables, lens, scale)` -> (out [B, KVH, R, D], lse [B, KVH, R]);
+    `partial(...)` -> the DecodeState a later `__call__(..., carry=state)` finishes."""
+
+    def __init__(self, library: ctypes.CDLL, avx512: bool | None = None) -> None:
         self._fn = library.paged_decode_attention
         self._fn.restype = None
         self._fn.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
                              + [ctypes.c_long] * 7 + [ctypes.c_float]
-                             + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+                             + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4)
+        self._library = library
+        # the AVX-512 body, where the CPU runs it (torch asks the CPU and the OS)
+        self.avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512" if avx512 is None else avx512
+
+    def with_avx512(self, avx512: bool) -> "PagedDecodeAttention":
+        """The same library through the other body (tests compare them; the caller checks the CPU)."""
+        return PagedDecodeAttention(self._library, avx512)
 
     @staticmethod
     def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -33,7 +53,19 @@ class PagedDecodeAttention:
                 and q.shape[-1] % 8 == 0)
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: float, carry: DecodeState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Finished attention over the blocks of `tables` (after `carry`'s, when given: its acc is
+        finished in place and returned as out)."""
+        state = self._run(q, kv_cache, tables, lens, scale, carry, finalize=True)
+        return state.acc, state.lse
+
+    def partial(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                scale: float) -> DecodeState:
+        """The online softmax over the blocks of `tables`, left unfinished for a later call to carry on."""
+        state = self._run(q, kv_cache, tables, lens, scale, None, finalize=False)
+        return DecodeState(state.acc, state.m, state.l)
+
+    def _run(self, q, kv_cache, tables, lens, scale, carry: DecodeState | None, finalize: bool):
         batch, kv_heads, rows, head_dim = q.shape
         _, num_blocks, block_size, pool_heads, pool_dim = kv_cache.shape
         if (pool_heads, pool_dim) != (kv_heads, head_dim) or tables.shape[0] != batch or lens.shape != (batch,):
@@ -43,15 +75,34 @@ class PagedDecodeAttention:
             raise ValueError("tables and lens must be int64")
         if batch and int(lens.max()) > tables.shape[1] * block_size:
             raise ValueError("a length runs past its block table")
-        q, tables, lens = q.contiguous(), tables.contiguous(), lens.contiguous()
-        out = torch.empty_like(q)
-        lse = torch.empty(batch, kv_heads, rows, dtype=torch.float32)
         if q.dtype != torch.float32 or not self.supports(q, kv_cache):
             raise ValueError("needs float32 queries, a contiguous float32 or bfloat16 CPU pool and head_dim % 8 == 0")
-        self._fn(q.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), tables.data_ptr(), lens.data_ptr(), batch, kv_heads, rows,
-                 head_dim, num_blocks, block_size, tables.shape[1], scale, out.data_ptr(), lse.data_ptr(),
-                 torch.get_num_threads())
-        return out, lse
+        q, tables, lens = q.contiguous(), tables.contiguous(), lens.contiguous()
+        if carry is not None:
+            acc, m, l = carry.acc, carry.m, carry.l
+            if (acc.shape != q.shape or m.shape != q.shape[:3] or l.shape != m.shape or not acc.is_contiguous()
+                    or not m.is_contiguous() or not l.is_contiguous()
+                    or {acc.dtype, m.dtype, l.dtype} != {torch.float32}):
+                raise ValueError("carry must hold contiguous float32 acc [B, KVH, R, D], m and l [B, KVH, R] "
+                                 "matching q")
+        else:
+            acc = torch.empty_like(q)
+            m = torch.empty(batch, kv_heads, rows, dtype=torch.float32)
+            l = torch.empty_like(m)
+        lse = torch.empty(batch, kv_heads, rows, dtype=torch.float32)
+        self._fn(q.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), tables.data_ptr(),
+                 lens.data_ptr(), batch, kv_heads, rows, head_dim, num_blocks, block_size, tables.shape[1], scale,
+                 acc.data_ptr(), lse.data_ptr(), m.data_ptr(), l.data_ptr(), int(carry is not None), int(finalize),
+                 int(self.avx512 and head_dim % 16 == 0), torch.get_num_threads())
+        return _Result(acc, lse, m, l)
+
+
+@dataclass
+class _Result:
+    acc: torch.Tensor
+    lse: torch.Tensor
+    m: torch.Tensor
+    l: torch.Tensor
 
 
 def _agrees_with_torch(kernel: PagedDecodeAttention) -> bool:

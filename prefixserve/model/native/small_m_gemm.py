@@ -1,8 +1,10 @@
 """The few-row projection kernel (`small_m_gemm.c`) behind `model/linear.py`.
 
-Decode steps multiply 1-32 rows by each weight; on this project's CPUs the library
-GEMMs reach a third to a half of the memory bandwidth there, and this kernel, which
-reads every weight row once, reaches nearly all of it (see docs/architecture.md).
+Decode steps multiply a few rows (1-64) by each weight; on this project's CPUs the
+library GEMMs reach a third to a half of the memory bandwidth there, and this kernel,
+which reads every weight row once, reaches nearly all of it, and with many rows keeps
+the multiply units busy (see docs/architecture.md). The C file has three bodies; the
+widest one the CPU runs is used (`best_isa`).
 """
 from __future__ import annotations
 
@@ -14,25 +16,76 @@ import torch
 
 from prefixserve.model.native.build import load_default, load_kernel
 
-MAX_ROWS = 32           # beyond this the library GEMM's blocking wins (measured crossover ~32-48 rows)
 K_MULTIPLE = 8          # one AVX2 register of float32
-
-
 DTYPES = (torch.float32, torch.bfloat16)
+
+# Instruction sets the kernel has a body for, best last: AVX2 + FMA (8 lanes, bfloat16 weights widened),
+# AVX-512 (16 lanes, 4 x 6 register tiles), AVX-512 with bfloat16 dot products.
+AVX2, AVX512, AVX512_BF16 = "avx2", "avx512", "avx512_bf16"
+# Rows up to which each body beats the library GEMM; beyond, the library's packing and blocking win.
+# AVX2: crossover ~32-48 rows (AMD EPYC Zen 4, 2 threads). AVX-512 bodies, on the 0.6B model's
+# projection shapes with weights streamed from memory (Zen 5 EPYC, 2 threads, 2026-12-01): float32
+# 1.3-1.5x oneDNN and bfloat16 1.4-2.4x at 16-96 rows; 64 keeps the kernel's share to decode-sized
+# batches.
+MAX_ROWS_BY_ISA = {AVX2: 32, AVX512: 64, AVX512_BF16: 64}
+
+
+def best_isa() -> str:
+    """The widest body this CPU and OS run, as torch sees them (a hypervisor that withholds a feature
+    withholds it from torch too)."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return AVX2
+    bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return AVX512_BF16 if bf16 is not None and bf16() else AVX512
+
+
+# Fixed per process (the CPU's features, not a timing), so the same rows always take the same kernel.
+BEST_ISA = best_isa()
+MAX_ROWS = MAX_ROWS_BY_ISA[BEST_ISA]
+
+
+def max_rows(dtype: torch.dtype) -> int | None:
+    """Rows up to which `linear` takes this kernel for `dtype`; None: every row count.
+
+    bfloat16 with the dot-product body takes every product, prefill included: one kernel whose row
+    results do not depend on the batch makes prefix caching exact. A cached prefix changes which
+    rows share a product (16 suffixes in one chunk, not 16 whole prompts), and where the few-row
+    and library kernels differed in a row's last float32 bit, bfloat16's rounding turned it into a
+    visible difference: 5-8 of 16 long-doc-qa requests on random:qwen3-0.6b decoded other tokens
+    with caching off. The cost: at prefill sizes this kernel runs at ~0.8x oneDNN's rate (Zen 5
+    EPYC, 2 threads). float32's last-bit differences stay below its greedy tokens' margins (the
+    same workload: 16 of 16 identical), so float32 keeps the library GEMM for many rows."""
+    if dtype == torch.bfloat16 and BEST_ISA == AVX512_BF16:
+        return None
+    return MAX_ROWS
 
 
 class SmallMGemm:
     """The loaded kernel: `__call__(x, weight, bias)` for 2-D contiguous operands, all float32 or all bfloat16."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._fns = {torch.float32: library.small_m_gemm, torch.bfloat16: library.small_m_gemm_bf16}
+    def __init__(self, library: ctypes.CDLL, isa: str | None = None) -> None:
+        self.isa = isa or BEST_ISA
+        if self.isa not in MAX_ROWS_BY_ISA:
+            raise ValueError(f"unknown instruction set {self.isa!r}; one of {sorted(MAX_ROWS_BY_ISA)}")
+        self._library = library
+        avx512 = self.isa in (AVX512, AVX512_BF16)
+        self._fns = {torch.float32: library.small_m_gemm_avx512 if avx512 else library.small_m_gemm,
+                     torch.bfloat16: (library.small_m_gemm_avx512_bf16 if self.isa == AVX512_BF16
+                                      else library.small_m_gemm_bf16)}
+        # vdpbf16ps multiplies bfloat16 x directly; the other bodies widen x to float32 first
+        self._bf16_x = self.isa == AVX512_BF16
         for fn in self._fns.values():
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
 
+    def with_isa(self, isa: str) -> "SmallMGemm":
+        """The same library through another body (tests compare them; the caller checks the CPU runs it)."""
+        return SmallMGemm(self._library, isa)
+
     @staticmethod
     def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        return (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.shape[1] % K_MULTIPLE == 0
+        limit = max_rows(x.dtype)
+        return (x.dim() == 2 and (limit is None or x.shape[0] <= limit) and x.shape[1] % K_MULTIPLE == 0
                 and x.device.type == "cpu" and x.dtype in DTYPES and weight.dtype == x.dtype
                 and x.is_contiguous() and weight.is_contiguous() and weight.device.type == "cpu"
                 and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
@@ -47,12 +100,17 @@ class SmallMGemm:
             raise ValueError(f"x {x.dtype} and weight {weight.dtype} must both be float32 or both bfloat16")
         # bfloat16: only the weight is read as bfloat16; x (a few rows) and bias are widened here, and y is
         # accumulated in float32 and rounded once
-        xf = x.float()
+        xf = x if self._bf16_x and x.dtype == torch.bfloat16 else x.float()
         bias = None if bias is None else bias.float()
         y = torch.empty(m, n, dtype=torch.float32)
         self._fns[x.dtype](xf.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
                            m, n, k, torch.get_num_threads())
         return y.to(x.dtype)
+
+
+def runnable_isas() -> tuple[str, ...]:
+    """The bodies this CPU runs, AVX2 first."""
+    return (AVX2, AVX512, AVX512_BF16)[:(AVX2, AVX512, AVX512_BF16).index(BEST_ISA) + 1]
 
 
 def _agrees_with_torch(kernel: SmallMGemm) -> bool:
