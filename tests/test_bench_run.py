@@ -69,14 +69,19 @@ def test_exported_checkpoint_holds_the_random_models_weights(results) -> None:
     assert from_folder == from_preset
 
 
-def test_gguf_export_holds_every_tensor_unchanged(results) -> None:
+def exported(results, quant: str | None, *names: str):
+    """The bench's GGUF export of the tiny checkpoint (float32, or `quant`): its reader, its tensors by
+    name, the checkpoint's own tensors `names`, and how many tensors the checkpoint holds."""
     folder = checkpoint_folder("random:qwen3-tiny", "float32", 0, results.config.cache_dir)
-    reader = gguf.GGUFReader(str(gguf_path_for(folder)))
-    tensors = {t.name: t for t in reader.tensors}
+    reader = gguf.GGUFReader(str(gguf_path_for(folder) if quant is None else gguf_path_for(folder, quant)))
     with safe_open(str(next(folder.glob("*.safetensors"))), framework="pt") as st:
-        embed = st.get_tensor("model.embed_tokens.weight")
-        q = st.get_tensor("model.layers.1.self_attn.q_proj.weight")
-        count = len(list(st.keys()))
+        return reader, {t.name: t for t in reader.tensors}, [st.get_tensor(n) for n in names], len(list(st.keys()))
+
+
+def test_gguf_export_holds_every_tensor_unchanged(results) -> None:
+    reader, tensors, checkpoint, count = exported(results, None, "model.embed_tokens.weight",
+                                                  "model.layers.1.self_attn.q_proj.weight")
+    embed, q = checkpoint
     assert len(tensors) == count
     assert np.array_equal(np.asarray(tensors["token_embd.weight"].data), embed.numpy())
     assert np.array_equal(np.asarray(tensors["blk.1.attn_q.weight"].data), q.numpy())
@@ -90,13 +95,9 @@ def test_q8_0_export_quantizes_every_matrix_within_its_block_scale(results) -> N
     """Q8_0 stores each block of 32 weights as int8 times the block's absmax / 127, that scale kept in
     float16: every dequantized weight is within half a step, plus up to 127 steps times the scale's
     rounding (2^-11 relative), of the original; norms stay exact."""
-    folder = checkpoint_folder("random:qwen3-tiny", "float32", 0, results.config.cache_dir)
-    reader = gguf.GGUFReader(str(gguf_path_for(folder, "Q8_0")))
-    tensors = {t.name: t for t in reader.tensors}
-    with safe_open(str(next(folder.glob("*.safetensors"))), framework="pt") as st:
-        q = st.get_tensor("model.layers.1.self_attn.q_proj.weight")
-        norm = st.get_tensor("model.layers.1.input_layernorm.weight")
-        count = len(list(st.keys()))
+    reader, tensors, checkpoint, count = exported(results, "Q8_0", "model.layers.1.self_attn.q_proj.weight",
+                                                  "model.layers.1.input_layernorm.weight")
+    q, norm = checkpoint
     assert len(tensors) == count
     stored = tensors["blk.1.attn_q.weight"]
     assert stored.tensor_type == gguf.GGMLQuantizationType.Q8_0

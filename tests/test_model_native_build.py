@@ -329,3 +329,14 @@ def test_build_timeout_setting(monkeypatch):
     assert build.build_timeout() == 2.5
     monkeypatch.setenv(build.TIMEOUT_ENV, "soon")
     assert build.build_timeout() == build.DEFAULT_TIMEOUT_S
+
+
+@needs_kernel
+def test_a_changed_header_changes_the_cache_key(tmp_path, monkeypatch):
+    """Kernels include the folder's headers: editing one must not load a library built from the old one."""
+    for name in ("small_m_gemm.c", "simd.h"):
+        (tmp_path / name).write_bytes((build.HERE / name).read_bytes())
+    monkeypatch.setattr(build, "HERE", tmp_path)
+    before = build.cache_key("small_m_gemm", build.compiler())
+    (tmp_path / "simd.h").write_bytes((tmp_path / "simd.h").read_bytes() + b"\n/* edited */\n")
+    assert build.cache_key("small_m_gemm", build.compiler()) != before

@@ -193,7 +193,7 @@ def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
 
 
 def cache_key(name: str, cc: str) -> str:
-    """The part of a cached library's name fixed by its source, compiler and flags."""
+    """The part of a cached library's name fixed by its source, the folder's headers, compiler and flags."""
     try:
         source = (HERE / f"{name}.c").read_bytes()
     except OSError as exc:
@@ -201,7 +201,12 @@ def cache_key(name: str, cc: str) -> str:
     code, version = _run([cc, "--version"], build_timeout())
     if code != 0:
         raise KernelUnavailable(BUILD_FAILED, f"{cc} --version exited with {code}: {version.strip()[-500:]}")
-    parts = [source, os.path.realpath(cc).encode(), version.encode(), *(flag.encode() for flag in FLAGS)]
+    # every header of the folder: a kernel's includes are not parsed, and there are few
+    try:
+        headers = [h.name.encode() + b"\0" + h.read_bytes() for h in sorted(HERE.glob("*.h"))]
+    except OSError as exc:
+        raise KernelUnavailable(BUILD_FAILED, f"cannot read the kernels' headers: {exc}") from exc
+    parts = [source, *headers, os.path.realpath(cc).encode(), version.encode(), *(flag.encode() for flag in FLAGS)]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 

@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "simd.h"
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_hadd_ps(s, s);
@@ -181,33 +183,21 @@ PAGED_DECODE(_bf16, uint16_t, load_bf16)
  * softmax 16 scores at a time with a polynomial exp, values 3 rows x 128 columns in 24 accumulators.
  * Each score and each output element goes through the same operations in the same order whatever
  * the number of rows in the task, so a row's result does not depend on the rows beside it. */
-#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-#define ALWAYS_INLINE inline __attribute__((always_inline))
 #define QK_ROWS 6
 #define PV_ROWS 3
 #define PV_VECS 8       /* 128 columns */
 
-/* [sum a0, sum a1, sum a2, sum a3]; each sum combines one accumulator's lanes only, in a fixed order. */
-AVX512_TARGET static ALWAYS_INLINE __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-/* e^x for x <= 0 (relative error ~2e-7, as the prefill kernel's exp2); below ~-87 gives ~2^-125. */
+/* e^x for x <= 0 through the shared 2^x polynomial; below ~-87 gives ~2^-125. */
 AVX512_TARGET static ALWAYS_INLINE __m512 exp512(__m512 x) {
     x = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _mm512_set1_ps(-125.0f));
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.3276425e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6755317e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507135e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001f));
+    __m512 p = _mm512_set1_ps(EXP2_C5);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C1));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C0));
     return _mm512_scalef_ps(p, n);
 }
 

@@ -56,16 +56,16 @@ class PagedDecodeAttention:
                  scale: float, carry: DecodeState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Finished attention over the blocks of `tables` (after `carry`'s, when given: its acc is
         finished in place and returned as out)."""
-        state = self._run(q, kv_cache, tables, lens, scale, carry, finalize=True)
-        return state.acc, state.lse
+        state, lse = self._run(q, kv_cache, tables, lens, scale, carry, finalize=True)
+        return state.acc, lse
 
     def partial(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                 scale: float) -> DecodeState:
         """The online softmax over the blocks of `tables`, left unfinished for a later call to carry on."""
-        state = self._run(q, kv_cache, tables, lens, scale, None, finalize=False)
-        return DecodeState(state.acc, state.m, state.l)
+        return self._run(q, kv_cache, tables, lens, scale, None, finalize=False)[0]
 
-    def _run(self, q, kv_cache, tables, lens, scale, carry: DecodeState | None, finalize: bool):
+    def _run(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float,
+             carry: DecodeState | None, finalize: bool) -> tuple[DecodeState, torch.Tensor]:
         batch, kv_heads, rows, head_dim = q.shape
         _, num_blocks, block_size, pool_heads, pool_dim = kv_cache.shape
         if (pool_heads, pool_dim) != (kv_heads, head_dim) or tables.shape[0] != batch or lens.shape != (batch,):
@@ -94,15 +94,7 @@ class PagedDecodeAttention:
                  lens.data_ptr(), batch, kv_heads, rows, head_dim, num_blocks, block_size, tables.shape[1], scale,
                  acc.data_ptr(), lse.data_ptr(), m.data_ptr(), l.data_ptr(), int(carry is not None), int(finalize),
                  int(self.avx512 and head_dim % 16 == 0), torch.get_num_threads())
-        return _Result(acc, lse, m, l)
-
-
-@dataclass
-class _Result:
-    acc: torch.Tensor
-    lse: torch.Tensor
-    m: torch.Tensor
-    l: torch.Tensor
+        return DecodeState(acc, m, l), lse
 
 
 def _agrees_with_torch(kernel: PagedDecodeAttention) -> bool:

@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 #define MR 6            /* rows of a register tile */
 #define KP 16           /* keys of a packed K panel = columns of a register tile */
 #define KT 64           /* keys per softmax tile (a multiple of KP); 96 and 128 measured the same */
@@ -46,13 +48,12 @@ static inline __m256 exp2_ps(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-125.0f));
     __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 f = _mm256_sub_ps(x, n);                       /* [-0.5, 0.5] */
-    /* least-squares fit of 2^f on [-0.5, 0.5] weighted toward equal relative error */
-    __m256 p = _mm256_set1_ps(1.3276425e-3f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6755317e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5507135e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022120e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314694e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0000001f));
+    __m256 p = _mm256_set1_ps(EXP2_C5);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C1));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C0));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }

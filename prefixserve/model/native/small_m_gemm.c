@@ -18,6 +18,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "simd.h"
+
 #define TILE_N 6
 
 static inline float hsum(__m256 v) {
@@ -113,33 +115,19 @@ SMALL_M_GEMM(_bf16, uint16_t, load_bf16)
 /* Rows of x multiplied against the whole weight before the next block: they stay in L2 while the
  * weight streams past, so the kernel keeps its rate at prefill sizes. */
 #define ROW_BLOCK 48
-#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-#define ALWAYS_INLINE inline __attribute__((always_inline))
-
-/* The sums of four accumulators' lanes, as one vector [sum a0, sum a1, sum a2, sum a3]: interleaving
- * pairs and adding halves costs a third of four separate reductions. Every add combines lanes of one
- * accumulator only, in a fixed order, so each sum is the same whatever the other three hold. */
-AVX512_TARGET static ALWAYS_INLINE __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
 
 /* Loading STEP elements as one vector: unmasked, or the first k % STEP under a mask (the tail). */
-AVX512_TARGET static ALWAYS_INLINE __m512 vec_f32(const float* p, __mmask16 m, int full) {
+AVX512_BF16_TARGET static ALWAYS_INLINE __m512 vec_f32(const float* p, __mmask16 m, int full) {
     return full ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
 }
 
-AVX512_TARGET static ALWAYS_INLINE __m512i vec_bf16(const uint16_t* p, __mmask32 m, int full) {
+AVX512_BF16_TARGET static ALWAYS_INLINE __m512i vec_bf16(const uint16_t* p, __mmask32 m, int full) {
     return full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(m, p);
 }
 
-AVX512_TARGET static ALWAYS_INLINE __m512 madd_f32(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
+AVX512_BF16_TARGET static ALWAYS_INLINE __m512 madd_f32(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
 
-AVX512_TARGET static ALWAYS_INLINE __m512 madd_bf16(__m512 acc, __m512i w, __m512i x) {
+AVX512_BF16_TARGET static ALWAYS_INLINE __m512 madd_bf16(__m512 acc, __m512i w, __m512i x) {
     return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
 }
 
@@ -148,7 +136,7 @@ AVX512_TARGET static ALWAYS_INLINE __m512 madd_bf16(__m512 acc, __m512i w, __m51
  * accumulators (24 + 6 + 1 of the 32 registers). TN and TM are constants at every call site, so the
  * loops unroll and the accumulators stay in registers. */
 #define SMALL_M_TILE512(S, T, V, STEP, MASK_T, LOADV, MADD)                                              \
-AVX512_TARGET static ALWAYS_INLINE void step512##S(__m512 a[TN4][TM6], const T* x, const T* w, size_t k, \
+AVX512_BF16_TARGET static ALWAYS_INLINE void step512##S(__m512 a[TN4][TM6], const T* x, const T* w, size_t k, \
                                                    size_t p, MASK_T mask, int full, const int TN, const int TM) { \
     V xv[TM6];                                                                                           \
     for (int j = 0; j < TM; j++) xv[j] = LOADV(x + j * k + p, mask, full);                              \
@@ -158,7 +146,7 @@ AVX512_TARGET static ALWAYS_INLINE void step512##S(__m512 a[TN4][TM6], const T* 
     }                                                                                                    \
 }                                                                                                        \
                                                                                                          \
-AVX512_TARGET static ALWAYS_INLINE void tile512##S(const T* x, const T* w, size_t k, const float* bias,   \
+AVX512_BF16_TARGET static ALWAYS_INLINE void tile512##S(const T* x, const T* w, size_t k, const float* bias,   \
                                                    float* y, size_t n, const int TN, const int TM,       \
                                                    const T* ahead) {                                     \
     __m512 a[TN4][TM6];                                                                                  \
@@ -184,7 +172,7 @@ AVX512_TARGET static ALWAYS_INLINE void tile512##S(const T* x, const T* w, size_
 }                                                                                                        \
                                                                                                          \
 /* All m rows against TN weight rows, six rows at a time. */                                             \
-AVX512_TARGET static ALWAYS_INLINE void rows512##S(const T* x, const T* w, size_t k, const float* bias,   \
+AVX512_BF16_TARGET static ALWAYS_INLINE void rows512##S(const T* x, const T* w, size_t k, const float* bias,   \
                                                    float* y, size_t n, long m, const int TN, const T* ahead) { \
     long r = 0;                                                                                          \
     for (; r + TM6 <= m; r += TM6) tile512##S(x + r * k, w, k, bias, y + r * n, n, TN, TM6, r ? NULL : ahead); \
@@ -198,7 +186,7 @@ AVX512_TARGET static ALWAYS_INLINE void rows512##S(const T* x, const T* w, size_
     }                                                                                                    \
 }                                                                                                        \
                                                                                                          \
-AVX512_TARGET void small_m_gemm_avx512##S(const T* x, const T* w, const float* bias, float* y,           \
+AVX512_BF16_TARGET void small_m_gemm_avx512##S(const T* x, const T* w, const float* bias, float* y,           \
                                           long m, long n, long k, int threads) {                         \
     long tiles = n / TN4;                                                                                \
     _Pragma("omp parallel num_threads(threads)")                                                         \

@@ -1,0 +1,37 @@
+/* What several kernels of this folder share: the AVX-512 target attribute, forced inlining, the
+ * 4-way lane sum and the coefficients of the polynomial 2^x. Included by the .c files, whose build
+ * cache key covers every header here (build.py). */
+#ifndef PREFIXSERVE_SIMD_H
+#define PREFIXSERVE_SIMD_H
+
+#include <immintrin.h>
+
+/* AVX-512 bodies carry their own target attribute (the build flags stay AVX2); callers run them only
+ * where torch reports the features (CPU and OS). */
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define AVX512_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+/* [sum a0, sum a1, sum a2, sum a3]: interleaving pairs and adding halves costs a third of four
+ * separate reductions. Every add combines lanes of one accumulator only, in a fixed order, so each
+ * sum is the same whatever the other three hold (what keeps a row's result independent of the rows
+ * computed beside it). */
+AVX512_TARGET static ALWAYS_INLINE __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* 2^f for f in [-0.5, 0.5], relative error ~2e-7 (least-squares fit weighted toward equal relative
+ * error), evaluated by Horner's rule from EXP2_C5 down to EXP2_C0. */
+#define EXP2_C5 1.3276425e-3f
+#define EXP2_C4 9.6755317e-3f
+#define EXP2_C3 5.5507135e-2f
+#define EXP2_C2 2.4022120e-1f
+#define EXP2_C1 6.9314694e-1f
+#define EXP2_C0 1.0000001f
+
+#endif
