@@ -16,6 +16,7 @@
  */
 #include <immintrin.h>
 #include <stddef.h>
+#include <omp.h>
 #include <stdint.h>
 
 #include "simd.h"
@@ -112,9 +113,14 @@ SMALL_M_GEMM(_bf16, uint16_t, load_bf16)
  * groups then find them in L1 instead of waiting on memory (1.4x at 16 rows on a Zen 5 EPYC). With
  * one or two rows the tile is a single pass and the hardware prefetcher alone streams it faster. */
 #define PREFETCH_MIN_ROWS 4
-/* Rows of x multiplied against the whole weight before the next block: they stay in L2 while the
- * weight streams past, so the kernel keeps its rate at prefill sizes. */
+/* At prefill sizes: rows of x are taken ROW_BLOCK at a time (they stay in L2) against CHUNK_BYTES of
+ * weight tiles at a time (in L2 too), every row block against one chunk before the next chunk, so
+ * each weight is read from memory once and x from L3. */
 #define ROW_BLOCK 48
+#define CHUNK_BYTES (512 * 1024)
+/* k per pass over a row group: 2 KB of each row, so six rows of x and four of the weight (20 KB) stay
+ * in L1 (with k = 3072 in bfloat16 they did not, and the loads came from L2 at 0.7x the rate). */
+#define K_CHUNK_BYTES 2048
 
 /* Loading STEP elements as one vector: unmasked, or the first k % STEP under a mask (the tail). */
 AVX512_BF16_TARGET static ALWAYS_INLINE __m512 vec_f32(const float* p, __mmask16 m, int full) {
@@ -131,11 +137,26 @@ AVX512_BF16_TARGET static ALWAYS_INLINE __m512 madd_bf16(__m512 acc, __m512i w, 
     return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
 }
 
+/* Writing sums: float32 as they are; bfloat16 rounded to nearest even by vcvtneps2bf16, as torch's
+ * conversion rounds (subnormal results aside: the instruction flushes them to zero), so no float32
+ * copy of the output is made and converted: at prefill sizes that copy is tens of MB of fresh pages
+ * each call. */
+AVX512_BF16_TARGET static ALWAYS_INLINE void store4_f32(float* y, __m128 v) { _mm_storeu_ps(y, v); }
+AVX512_BF16_TARGET static ALWAYS_INLINE void store1_f32(float* y, float v) { *y = v; }
+
+AVX512_BF16_TARGET static ALWAYS_INLINE void store4_bf16(uint16_t* y, __m128 v) {
+    _mm_storel_epi64((__m128i*)y, (__m128i)_mm_cvtneps_pbh(v));
+}
+
+AVX512_BF16_TARGET static ALWAYS_INLINE void store1_bf16(uint16_t* y, float v) {
+    *y = (uint16_t)_mm_extract_epi16((__m128i)_mm_cvtneps_pbh(_mm_set_ss(v)), 0);
+}
+
 /* acc[i][j] over the whole of k for weight rows w[i] (i < TN) and x rows x[j] (j < TM): the TM x
  * vectors of a step are loaded once, then each weight vector once and multiplied into its TM
  * accumulators (24 + 6 + 1 of the 32 registers). TN and TM are constants at every call site, so the
  * loops unroll and the accumulators stay in registers. */
-#define SMALL_M_TILE512(S, T, V, STEP, MASK_T, LOADV, MADD)                                              \
+#define SMALL_M_TILE512(S, T, V, STEP, MASK_T, LOADV, MADD, Y, STORE4, STORE1)                                              \
 AVX512_BF16_TARGET static ALWAYS_INLINE void step512##S(__m512 a[TN4][TM6], const T* x, const T* w, size_t k, \
                                                    size_t p, MASK_T mask, int full, const int TN, const int TM) { \
     V xv[TM6];                                                                                           \
@@ -146,65 +167,91 @@ AVX512_BF16_TARGET static ALWAYS_INLINE void step512##S(__m512 a[TN4][TM6], cons
     }                                                                                                    \
 }                                                                                                        \
                                                                                                          \
-AVX512_BF16_TARGET static ALWAYS_INLINE void tile512##S(const T* x, const T* w, size_t k, const float* bias,   \
-                                                   float* y, size_t n, const int TN, const int TM,       \
-                                                   const T* ahead) {                                     \
+/* The tile's sums over k in [p0, p1): started from zero (p0 == 0) or from the vectors saved in `save`,  \
+ * and finished (p1 == k: reduced, bias added, stored) or saved again. Saving and reloading a vector is   \
+ * exact, so a chunked k gives the same bits as one pass. */                                             \
+AVX512_BF16_TARGET static ALWAYS_INLINE void tile512##S(const T* x, const T* w, size_t k, size_t p0, size_t p1, \
+                                                   __m512* save, const float* bias, Y* y, size_t n,      \
+                                                   const int TN, const int TM, const T* ahead) {         \
     __m512 a[TN4][TM6];                                                                                  \
     for (int i = 0; i < TN; i++)                                                                         \
-        for (int j = 0; j < TM; j++) a[i][j] = _mm512_setzero_ps();                                      \
-    size_t p = 0;                                                                                        \
+        for (int j = 0; j < TM; j++) a[i][j] = p0 ? save[i * TM6 + j] : _mm512_setzero_ps();             \
+    size_t p = p0;                                                                                       \
     if (ahead)                                                                                           \
-        for (; p + STEP <= k; p += STEP) {                                                               \
+        for (; p + STEP <= p1; p += STEP) {                                                              \
             for (int i = 0; i < TN4; i++) _mm_prefetch((const char*)(ahead + i * k + p), _MM_HINT_T0);   \
             step512##S(a, x, w, k, p, 0, 1, TN, TM);                                                     \
         }                                                                                                \
-    for (; p + STEP <= k; p += STEP) step512##S(a, x, w, k, p, 0, 1, TN, TM);                            \
-    if (p < k) step512##S(a, x, w, k, p, (MASK_T)(((uint64_t)1 << (k - p)) - 1), 0, TN, TM);             \
+    for (; p + STEP <= p1; p += STEP) step512##S(a, x, w, k, p, 0, 1, TN, TM);                           \
+    if (p < p1) step512##S(a, x, w, k, p, (MASK_T)(((uint64_t)1 << (p1 - p)) - 1), 0, TN, TM);           \
+    if (p1 < k) {                                                                                        \
+        for (int i = 0; i < TN; i++)                                                                     \
+            for (int j = 0; j < TM; j++) save[i * TM6 + j] = a[i][j];                                    \
+        return;                                                                                          \
+    }                                                                                                    \
     for (int j = 0; j < TM; j++) {                                                                       \
         if (TN == TN4) {                                                                                 \
             __m128 sums = reduce4(a[0][j], a[1][j], a[2][j], a[3][j]);                                   \
             if (bias) sums = _mm_add_ps(sums, _mm_loadu_ps(bias));                                       \
-            _mm_storeu_ps(y + j * n, sums);                                                              \
+            STORE4(y + j * n, sums);                                                                     \
         } else {                                                                                         \
-            for (int i = 0; i < TN; i++) y[j * n + i] = _mm512_reduce_add_ps(a[i][j]) + bias_at(bias, i); \
+            for (int i = 0; i < TN; i++) STORE1(y + j * n + i, _mm512_reduce_add_ps(a[i][j]) + bias_at(bias, i)); \
         }                                                                                                \
     }                                                                                                    \
 }                                                                                                        \
                                                                                                          \
-/* All m rows against TN weight rows, six rows at a time. */                                             \
+/* All m rows (at most ROW_BLOCK: the saved sums are sized for it) against TN weight rows, six rows at a time, k in chunks of             \
+ * K_CHUNK_BYTES per row so that a row group and the weight tile stay in L1 together. */                 \
 AVX512_BF16_TARGET static ALWAYS_INLINE void rows512##S(const T* x, const T* w, size_t k, const float* bias,   \
-                                                   float* y, size_t n, long m, const int TN, const T* ahead) { \
-    long r = 0;                                                                                          \
-    for (; r + TM6 <= m; r += TM6) tile512##S(x + r * k, w, k, bias, y + r * n, n, TN, TM6, r ? NULL : ahead); \
-    switch (m - r) {                                                                                     \
-        case 5: tile512##S(x + r * k, w, k, bias, y + r * n, n, TN, 5, r ? NULL : ahead); break;                           \
-        case 4: tile512##S(x + r * k, w, k, bias, y + r * n, n, TN, 4, r ? NULL : ahead); break;                           \
-        case 3: tile512##S(x + r * k, w, k, bias, y + r * n, n, TN, 3, r ? NULL : ahead); break;                           \
-        case 2: tile512##S(x + r * k, w, k, bias, y + r * n, n, TN, 2, r ? NULL : ahead); break;                           \
-        case 1: tile512##S(x + r * k, w, k, bias, y + r * n, n, TN, 1, r ? NULL : ahead); break;                           \
-        default: break;                                                                                  \
+                                                   Y* y, size_t n, long m, const int TN, const T* ahead) { \
+    __m512 save[(ROW_BLOCK + TM6 - 1) / TM6][TN4 * TM6];                                                 \
+    const size_t kc = K_CHUNK_BYTES / sizeof(T);                                                         \
+    for (size_t p0 = 0; p0 < k; p0 += kc) {                                                              \
+        size_t p1 = p0 + kc < k ? p0 + kc : k;                                                           \
+        long r = 0;                                                                                      \
+        for (; r + TM6 <= m; r += TM6)                                                                   \
+            tile512##S(x + r * k, w, k, p0, p1, save[r / TM6], bias, y + r * n, n, TN, TM6, r ? NULL : ahead); \
+        switch (m - r) {                                                                                 \
+            case 5: tile512##S(x + r * k, w, k, p0, p1, save[r / TM6], bias, y + r * n, n, TN, 5, r ? NULL : ahead); break; \
+            case 4: tile512##S(x + r * k, w, k, p0, p1, save[r / TM6], bias, y + r * n, n, TN, 4, r ? NULL : ahead); break; \
+            case 3: tile512##S(x + r * k, w, k, p0, p1, save[r / TM6], bias, y + r * n, n, TN, 3, r ? NULL : ahead); break; \
+            case 2: tile512##S(x + r * k, w, k, p0, p1, save[r / TM6], bias, y + r * n, n, TN, 2, r ? NULL : ahead); break; \
+            case 1: tile512##S(x + r * k, w, k, p0, p1, save[r / TM6], bias, y + r * n, n, TN, 1, r ? NULL : ahead); break; \
+            default: break;                                                                              \
+        }                                                                                                \
     }                                                                                                    \
 }                                                                                                        \
                                                                                                          \
-AVX512_BF16_TARGET void small_m_gemm_avx512##S(const T* x, const T* w, const float* bias, float* y,           \
-                                          long m, long n, long k, int threads) {                         \
+AVX512_BF16_TARGET void small_m_gemm_avx512##S(const T* x, const T* w, const float* bias, Y* y,          \
+                                               long m, long n, long k, int threads) {                    \
     long tiles = n / TN4;                                                                                \
     _Pragma("omp parallel num_threads(threads)")                                                         \
-    for (long r0 = 0; r0 < m; r0 += ROW_BLOCK) {                                                         \
-        long mb = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;                                               \
-        const T* xb = x + r0 * k;                                                                        \
-        float* yb = y + r0 * n;                                                                          \
-        _Pragma("omp for schedule(static)")                                                              \
-        for (long t = 0; t < tiles; t++) {                                                               \
-            size_t i = (size_t)t * TN4;                                                                  \
-            rows512##S(xb, w + i * (size_t)k, (size_t)k, bias ? bias + i : NULL, yb + i, (size_t)n, mb, TN4, \
-                       mb >= PREFETCH_MIN_ROWS && t + 1 < tiles ? w + (i + TN4) * (size_t)k : NULL);     \
+    {                                                                                                    \
+        /* each thread its share of the weight tiles (as schedule(static) would split them), a chunk   \
+         * at a time: every row block runs over a chunk while it sits in L2 */                          \
+        int nt = omp_get_num_threads(), id = omp_get_thread_num();                                       \
+        long t_begin = tiles * id / nt, t_end = tiles * (id + 1) / nt;                                   \
+        long chunk = CHUNK_BYTES / (TN4 * k * (long)sizeof(T));                                          \
+        if (chunk < 1) chunk = 1;                                                                        \
+        for (long c = t_begin; c < t_end; c += chunk) {                                                  \
+            long c_end = c + chunk < t_end ? c + chunk : t_end;                                          \
+            for (long r0 = 0; r0 < m; r0 += ROW_BLOCK) {                                                 \
+                long mb = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;                                       \
+                for (long t = c; t < c_end; t++) {                                                       \
+                    size_t i = (size_t)t * TN4;                                                          \
+                    rows512##S(x + r0 * k, w + i * (size_t)k, (size_t)k, bias ? bias + i : NULL,         \
+                               y + r0 * n + i, (size_t)n, mb, TN4,                                       \
+                               mb >= PREFETCH_MIN_ROWS && t + 1 < t_end ? w + (i + TN4) * (size_t)k : NULL); \
+                }                                                                                        \
+            }                                                                                            \
         }                                                                                                \
-        _Pragma("omp single")                                                                            \
-        for (long i = tiles * TN4; i < n; i++)                                                           \
-            rows512##S(xb, w + i * (size_t)k, (size_t)k, bias ? bias + i : NULL, yb + i, (size_t)n, mb, 1, NULL); \
+        if (id == nt - 1)                                                                                \
+            for (long i = tiles * TN4; i < n; i++)                                                       \
+                for (long r0 = 0; r0 < m; r0 += ROW_BLOCK)                                               \
+                    rows512##S(x + r0 * k, w + i * (size_t)k, (size_t)k, bias ? bias + i : NULL, y + r0 * n + i, \
+                               (size_t)n, m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK, 1, NULL);             \
     }                                                                                                    \
 }
 
-SMALL_M_TILE512(, float, __m512, 16, __mmask16, vec_f32, madd_f32)
-SMALL_M_TILE512(_bf16, uint16_t, __m512i, 32, __mmask32, vec_bf16, madd_bf16)
+SMALL_M_TILE512(, float, __m512, 16, __mmask16, vec_f32, madd_f32, float, store4_f32, store1_f32)
+SMALL_M_TILE512(_bf16, uint16_t, __m512i, 32, __mmask32, vec_bf16, madd_bf16, uint16_t, store4_bf16, store1_bf16)

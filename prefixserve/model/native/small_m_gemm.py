@@ -98,10 +98,16 @@ class SmallMGemm:
                              f"bias {None if bias is None else tuple(bias.shape)}")
         if x.dtype not in DTYPES or weight.dtype != x.dtype:
             raise ValueError(f"x {x.dtype} and weight {weight.dtype} must both be float32 or both bfloat16")
-        # bfloat16: only the weight is read as bfloat16; x (a few rows) and bias are widened here, and y is
-        # accumulated in float32 and rounded once
-        xf = x if self._bf16_x and x.dtype == torch.bfloat16 else x.float()
         bias = None if bias is None else bias.float()
+        if self._bf16_x and x.dtype == torch.bfloat16:
+            # the dot-product body multiplies bfloat16 x and writes y rounded to bfloat16 itself
+            y = torch.empty(m, n, dtype=torch.bfloat16)
+            self._fns[x.dtype](x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                               y.data_ptr(), m, n, k, torch.get_num_threads())
+            return y
+        # the other bodies read bfloat16 weights only: x is widened here, y accumulated in float32 and
+        # rounded once
+        xf = x.float()
         y = torch.empty(m, n, dtype=torch.float32)
         self._fns[x.dtype](xf.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
                            m, n, k, torch.get_num_threads())
