@@ -52,7 +52,7 @@ def max_rows(dtype: torch.dtype) -> int | None:
     rows share a product (16 suffixes in one chunk, not 16 whole prompts), and where the few-row
     and library kernels differed in a row's last float32 bit, bfloat16's rounding turned it into a
     visible difference: 5-8 of 16 long-doc-qa requests on random:qwen3-0.6b decoded other tokens
-    with caching off. The cost: at prefill sizes this kernel runs at ~0.8x oneDNN's rate (Zen 5
+    with caching off. The cost: at prefill sizes this kernel runs at 0.8-0.95x oneDNN's rate (Zen 5
     EPYC, 2 threads). float32's last-bit differences stay below its greedy tokens' margins (the
     same workload: 16 of 16 identical), so float32 keeps the library GEMM for many rows."""
     if dtype == torch.bfloat16 and BEST_ISA == AVX512_BF16:
