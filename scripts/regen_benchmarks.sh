@@ -20,9 +20,15 @@ minutes=$(( ($(date +%s) - start + 59) / 60 ))
   echo
   cat "$OUT/report.md"
   echo
-  echo "![wall time](benchmarks/wall_time.png)"
-  echo "![TTFT p50](benchmarks/ttft_p50.png)"
-  echo "![prompt tokens computed](benchmarks/computed_tokens.png)"
+  for dir in "$OUT"/*/; do
+    dtype=$(basename "$dir")
+    echo "Charts, $dtype:"
+    echo
+    echo "![wall time, $dtype](benchmarks/$dtype/wall_time.png)"
+    echo "![TTFT p50, $dtype](benchmarks/$dtype/ttft_p50.png)"
+    echo "![prompt tokens computed, $dtype](benchmarks/$dtype/computed_tokens.png)"
+    echo
+  done
   echo
   cat <<'METHOD'
 ## Method
