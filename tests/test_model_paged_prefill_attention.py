@@ -1,4 +1,5 @@
-"""The paged prefill-attention kernel against float64 softmax attention with a causal mask built from positions."""
+"""The paged prefill-attention kernel against float64 softmax attention with a causal mask built from positions,
+in each body this CPU runs (AVX2 everywhere, AVX-512 where torch reports it; both give the same bits)."""
 from __future__ import annotations
 
 import shutil
@@ -13,9 +14,12 @@ from native_kernel_build import build_fresh
 from prefixserve.model.native.paged_prefill_attention import PagedPrefillAttention, _agrees_with_torch, load
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory) -> PagedPrefillAttention:
-    return build_fresh(load, tmp_path_factory)
+BODIES = ["avx2"] + (["avx512"] if torch.backends.cpu.get_cpu_capability() == "AVX512" else [])
+
+
+@pytest.fixture(scope="module", params=BODIES)
+def kernel(request, tmp_path_factory) -> PagedPrefillAttention:
+    return build_fresh(load, tmp_path_factory).with_avx512(request.param == "avx512")
 
 
 def reference(q, pool, starts, lens, tables, scale):
@@ -98,6 +102,17 @@ def test_a_bfloat16_pool_is_attended_in_float32(kernel: PagedPrefillAttention, h
     assert torch.equal(half, wide.bfloat16())
     expected = case.expected()
     torch.testing.assert_close(half.double(), expected, rtol=2 ** -8, atol=2e-5)
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 48, 128, 136])
+def test_every_body_gives_the_avx2_bits(kernel: PagedPrefillAttention, head_dim: int) -> None:
+    """The AVX-512 tiles run the AVX2 tiles' multiply-adds lane for lane over wider registers, so a
+    server's outputs do not depend on which body its CPU runs (head dims cover every slab remainder)."""
+    case = Case(head_dim + 5, CHUNKS, block_size=16, head_dim=head_dim, group=2)
+    assert torch.equal(case.run(kernel), case.run(kernel.with_avx512(False)))
+    case.pool = case.pool.bfloat16()
+    case.q = case.q.bfloat16()
+    assert torch.equal(case.run(kernel), case.run(kernel.with_avx512(False)))
 
 
 def test_thread_counts_give_identical_results(kernel: PagedPrefillAttention) -> None:

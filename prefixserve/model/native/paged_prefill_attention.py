@@ -2,8 +2,8 @@
 
 Used by the torch backend (`model/attention/torch_paged.py`) for every query chunk of more
 than one token in a step, fresh prompts and chunks continuing a cached context alike, for
-float32 and bfloat16 pools on AVX2 CPUs (a bfloat16 pool is widened to float32 as it is
-packed). The CPU flash kernel behind F.scaled_dot_product_attention reaches about a third of the matmul peak on causal prefill, and a chunk over a cached
+float32 and bfloat16 pools on AVX2 CPUs, through AVX-512 tiles where the CPU has them (a
+bfloat16 pool is widened to float32 as it is packed). The CPU flash kernel behind F.scaled_dot_product_attention reaches about a third of the matmul peak on causal prefill, and a chunk over a cached
 context first needs a gathered copy of it; this kernel packs each head's keys once and
 runs register-tiled QK^T and PV products over them (see docs/architecture.md).
 """
@@ -28,15 +28,22 @@ class PagedPrefillAttention:
     causally (to the keys up to its own position); query head j reads KV head j // (H / KVH).
     """
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, avx512: bool | None = None) -> None:
         self._fn = library.paged_prefill_attention
         self._fn.restype = None
         self._fn.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
                              + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 8
-                             + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int])
+                             + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2)
         self._workspace = library.paged_prefill_workspace
         self._workspace.restype = ctypes.c_long
         self._workspace.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 6
+        self._library = library
+        # the AVX-512 tiles where the CPU runs them (torch asks the CPU and the OS); same bits as AVX2
+        self.avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512" if avx512 is None else avx512
+
+    def with_avx512(self, avx512: bool) -> "PagedPrefillAttention":
+        """The same library through the other tiles (tests compare them; the caller checks the CPU)."""
+        return PagedPrefillAttention(self._library, avx512)
 
     @staticmethod
     def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -89,7 +96,8 @@ class PagedPrefillAttention:
             raise ValueError(f"scratch must give {need} contiguous float32 elements")
         self._fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), int(bf16), tables.data_ptr(), seq_lens.data_ptr(),
                  query_start_loc.data_ptr(), batch, heads, kv_heads, head_dim, num_blocks, block_size,
-                 tables.shape[1], min_query_len, scale, result.data_ptr(), work.data_ptr(), torch.get_num_threads())
+                 tables.shape[1], min_query_len, scale, result.data_ptr(), work.data_ptr(), int(self.avx512),
+                 torch.get_num_threads())
         if bf16:
             out.copy_(result)
         return out
