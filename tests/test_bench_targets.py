@@ -26,3 +26,35 @@ def test_on_off_cost_is_the_median_of_back_to_back_pairs() -> None:
 def test_on_off_cost_without_pairs_is_the_wall_time_ratio() -> None:
     target = _on_off([_run("prefixserve", 10.0), _run("prefixserve-nocache", 9.0)])
     assert abs(target.measured - 10.0 / 9.0) < 1e-12 and not target.met
+
+
+def _named(targets, prefix: str):
+    return next(t for t in targets if t.name.startswith(prefix))
+
+
+def test_bfloat16_is_judged_on_its_own_thresholds() -> None:
+    roofline = {"prefill": {"fraction": 0.75}, "decode_b1": {"fraction": 0.75}}
+    f32 = evaluate_targets([], {}, roofline, dtype="float32")
+    bf16 = evaluate_targets([], {}, roofline, dtype="bfloat16")
+    assert not _named(f32, "prefill").met and _named(bf16, "prefill").met      # 0.85 vs 0.70
+    assert _named(f32, "batch-1 decode").met and not _named(bf16, "batch-1 decode").met  # 0.70 vs 0.80
+
+
+def test_long_doc_qa_fraction_of_ideal_is_ideal_over_wall() -> None:
+    runs = [RunResult("prefixserve", "long-doc-qa", [], 4.0, 100, 0)]
+    bf16 = _named(evaluate_targets(runs, {"long-doc-qa": 100}, {}, dtype="bfloat16",
+                                   ideal_seconds={"long-doc-qa": 3.0}), "long-doc-qa: fraction")
+    assert bf16.measured == 0.75 and bf16.met is False and bf16.wanted == ">= 0.85"
+    f32 = _named(evaluate_targets(runs, {"long-doc-qa": 100}, {}, dtype="float32",
+                                  ideal_seconds={"long-doc-qa": 3.6}), "long-doc-qa: fraction")
+    assert f32.measured == 0.9 and f32.met is None   # reported only: float32 had no such target
+
+
+def test_no_sharing_within_1_2x_of_llama_cpp_in_bfloat16() -> None:
+    def judged(ours: float, theirs: float):
+        runs = [_run("prefixserve", ours), RunResult("llama.cpp", "no-sharing", [], theirs, 100, 0)]
+        return _named(evaluate_targets(runs, {}, {}, dtype="bfloat16"), "no-sharing: within")
+    assert judged(11.0, 10.0).met            # 1.1x slower: within
+    assert not judged(12.5, 10.0).met        # 1.25x slower: not
+    f32 = evaluate_targets([_run("prefixserve", 12.5), RunResult("llama.cpp", "no-sharing", [], 10.0, 100, 0)], {}, {})
+    assert _named(f32, "no-sharing: ratio to llama.cpp").met is None

@@ -27,7 +27,8 @@ def all_figures(res: BenchResults) -> list[Figures]:
 
 def targets_of(res: BenchResults) -> list[Target]:
     ideal = {name: w.ideal_computed_tokens() for name, w in res.workloads.items()}
-    return evaluate_targets(res.runs, ideal, res.roofline, decode_bounds(res))
+    seconds = {name: ideal_workload_seconds(w, res.cost, res.limits)["total_s"] for name, w in res.workloads.items()}
+    return evaluate_targets(res.runs, ideal, res.roofline, decode_bounds(res), res.config.dtype, seconds)
 
 
 def decode_bounds(res: BenchResults) -> dict[str, float]:
