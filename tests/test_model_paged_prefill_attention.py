@@ -115,6 +115,63 @@ def test_every_body_gives_the_avx2_bits(kernel: PagedPrefillAttention, head_dim:
     assert torch.equal(case.run(kernel), case.run(kernel.with_avx512(False)))
 
 
+def _sharing_case(seed: int, block_size: int):
+    """Sequences whose tables begin with runs of the same blocks, as prefix caching makes them: (query
+    length, total length, how many leading blocks each shares with sequence 0, a single token that
+    the kernel serves only with min_query_len 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    specs = [(1, 300, 0), (40, 310, 19), (33, 290, 17), (5, 140, 8), (1, 200, 12), (70, 330, 3), (12, 90, 20),
+             (9, 400, 13)]
+    width = max(-(-total // block_size) for _, total, _ in specs)
+    num_blocks = width * len(specs) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(specs), width, dtype=torch.long)
+    base = order[:width]
+    rest = iter(order[width:])
+    for b, (_, total, shared) in enumerate(specs):
+        used = -(-total // block_size)
+        tables[b] = torch.tensor([base[j] if (b == 0 or j < min(shared, used)) else next(rest) for j in range(width)])
+    q_lens = [n for n, _, _ in specs]
+    case = Case(seed, [(1, 0)], block_size, head_dim=64, group=2)
+    case.pool = torch.randn(2, num_blocks, block_size, 2, 64, generator=gen)
+    case.tables = tables
+    case.lens = torch.tensor([total for _, total, _ in specs])
+    case.starts = torch.tensor([0] + q_lens).cumsum(0)
+    case.q = torch.randn(int(case.starts[-1]), 4, 64, generator=gen)
+    return case
+
+
+def _unshared(case):
+    """The same sequences with every block copied to a block of its own: the same keys, nothing shared."""
+    flat = case.tables.flatten()
+    copy = Case.__new__(Case)
+    copy.pool = case.pool[:, flat].clone()
+    copy.tables = torch.arange(flat.numel()).view(case.tables.shape)
+    copy.lens, copy.starts, copy.q, copy.scale = case.lens, case.starts, case.q, case.scale
+    return copy
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_shared_by_several_sequences_are_read_from_one_packing(kernel: PagedPrefillAttention, block_size: int,
+                                                                     dtype: torch.dtype) -> None:
+    """Sequences starting on the same blocks (shared runs of every length, cut inside and at softmax
+    tiles, a single-token sequence on them that the kernel does not serve) read those keys from one
+    packing: the same bits as when every sequence owns copies of its blocks, and the reference."""
+    case = _sharing_case(block_size, block_size)
+    case.pool, case.q = case.pool.to(dtype), case.q.to(dtype)
+    alone = _unshared(case)
+    for min_query_len in (2, 1):
+        shared = case.run(kernel, min_query_len=min_query_len)
+        assert torch.equal(shared, alone.run(kernel, min_query_len=min_query_len))
+    # with min_query_len 1 every row was served
+    wide = Case.__new__(Case)
+    wide.pool, wide.q = case.pool.float(), case.q.float()
+    wide.tables, wide.lens, wide.starts, wide.scale = case.tables, case.lens, case.starts, case.scale
+    torch.testing.assert_close(shared.double(), wide.expected(), rtol=2 ** -8 if dtype == torch.bfloat16 else 0,
+                               atol=2e-5)
+
+
 def test_thread_counts_give_identical_results(kernel: PagedPrefillAttention) -> None:
     """Work items are split differently for different thread counts; every row must come out the same."""
     case = Case(8, CHUNKS, block_size=5, head_dim=64, group=2)

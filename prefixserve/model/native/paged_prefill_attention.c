@@ -12,6 +12,9 @@
  * into panels of 16 keys ([D][16] each), V into slabs of 16 columns ([keys][16] each). Read in
  * place, one head's rows of the pool lie KVH*D floats apart (4 KB for 8 heads of 128), so every
  * key of a tile maps to the same few L1 sets and the products below would be served from L2.
+ * Sequences starting on the same blocks (a cached document under several questions) pack those
+ * keys once (find_shared_keys): 16 chunks of 34 tokens over one 1024-token document, bfloat16,
+ * 21.2 -> 13.3 ms a layer, the copies no longer spilling out of the caches.
  *
  * Phase 2 splits (sequence, KV head, block of query tokens) into work items. An item's rows are
  * its tokens x the G query heads of the KV head (token-major), so each packed K panel and V tile
@@ -391,6 +394,32 @@ long paged_prefill_workspace(const long* seq_lens, const long* starts, long batc
     return total;
 }
 
+/* Sequences whose block tables begin with the same blocks (a shared prefix, the documents and system
+ * prompts prefix caching exists for) read the same keys: each such key is packed once. leader[b] is the
+ * first served sequence starting on b's first block (-1 when that is b itself, or b is not served), and
+ * shared[b] how many of b's leading keys it reads from the leader's packing: the positions both hold
+ * in the same blocks, rounded down to whole softmax tiles so that no tile mixes the two packings. */
+static void find_shared_keys(const long* tables, const long* seq_lens, const long* starts, long batch,
+                             long block_size, long table_width, long min_qlen, long* leader, long* shared) {
+    for (long b = 0; b < batch; b++) {
+        leader[b] = -1;
+        shared[b] = 0;
+        if (!served(starts, b, min_qlen) || seq_lens[b] <= 0) continue;
+        for (long a = 0; a < b; a++) {
+            if (leader[a] != -1 || !served(starts, a, min_qlen) || seq_lens[a] <= 0
+                || tables[a * table_width] != tables[b * table_width])
+                continue;
+            long len = seq_lens[a] < seq_lens[b] ? seq_lens[a] : seq_lens[b];
+            long blocks = (len + block_size - 1) / block_size, same = 0;
+            while (same < blocks && tables[a * table_width + same] == tables[b * table_width + same]) same++;
+            long keys = same * block_size < len ? same * block_size : len;
+            keys = keys / KT * KT;
+            if (keys > 0) { leader[b] = a; shared[b] = keys; }
+            break;
+        }
+    }
+}
+
 /* query tokens per work item: about ROWS rows, a whole number of 6-row panels where the group allows,
  * and small enough to give every thread several items */
 static long block_tokens(long group, long work_tokens_heads, int threads) {
@@ -412,9 +441,12 @@ void paged_prefill_attention(const float* q, long q_stride, const void* pool, in
     const long block_stride = block_size * token_stride;
 
     /* where each served sequence's packed keys start in `work` */
-    long* offset = malloc(sizeof(long) * (2 * batch + 1));
+    long* offset = malloc(sizeof(long) * (4 * batch + 1));
     long* qlens = offset + batch + 1;
+    long* leader = qlens + batch;
+    long* shared = leader + batch;
     for (long b = 0; b < batch; b++) qlens[b] = starts[b + 1] - starts[b];
+    find_shared_keys(tables, seq_lens, starts, batch, block_size, table_width, min_qlen, leader, shared);
     long tokens_heads = 0, panels_total = 0;
     offset[0] = 0;
     for (long b = 0; b < batch; b++) {
@@ -445,7 +477,7 @@ void paged_prefill_attention(const float* q, long q_stride, const void* pool, in
     {
         /* phase 1: (sequence, panel of 16 keys, head) -> K^T panel and 16 V rows; the heads of a panel are
          * neighbours in the pool, so a thread's run of tasks reads whole token rows (2x faster than by head) */
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 64)
         for (long task = 0; task < panels_total; task++) {
             /* a sequence's tasks are its share of `work`, 2 * D * 16 floats each: find the one holding this */
             long at = task * 2 * d * KP, b = 0, hi = batch;      /* offset[b] <= at < offset[hi] */
@@ -455,6 +487,7 @@ void paged_prefill_attention(const float* q, long q_stride, const void* pool, in
             }
             long rest = (at - offset[b]) / (2 * d * KP);
             long npan = round_up(seq_lens[b], KP) / KP, pan = rest / kv_heads, h = rest % kv_heads;
+            if (pan * KP < shared[b]) continue;         /* its leader packs these keys */
             float* kt = work + offset[b] + h * 2 * npan * KP * d;
             long rows[KP];                /* where the panel's K rows start in the pool, -1 past the sequence */
             for (long jj = 0; jj < KP; jj++) {
@@ -487,6 +520,10 @@ void paged_prefill_attention(const float* q, long q_stride, const void* pool, in
             const long npan = round_up(len, KP) / KP;
             const float* kt = work + offset[w.b] + w.h * 2 * npan * KP * d;
             const float* vr = kt + npan * KP * d;
+            /* the keys before shared[b] are read where the sequence's leader packed them */
+            const long lead = leader[w.b], lead_pan = lead >= 0 ? round_up(seq_lens[lead], KP) / KP : 0;
+            const float* lead_kt = lead >= 0 ? work + offset[lead] + w.h * 2 * lead_pan * KP * d : kt;
+            const float* lead_vr = lead_kt + lead_pan * KP * d;
             const long rows = w.nt * group, panels = (rows + MR - 1) / MR;
             const long first = starts[w.b] + w.t0;
 
@@ -512,7 +549,8 @@ void paged_prefill_attention(const float* q, long q_stride, const void* pool, in
                     vis[p] = n <= 0 ? 0 : n > KT ? KT : n;
                 }
                 /* S = Q K^T, only the 16-key panels at or below each row panel's diagonal */
-                (avx512 ? scores512 : scores)(qp, kt + (k0 / KP) * KP * d, d, s, vis, panels);
+                const int led = k0 < shared[w.b];
+                (avx512 ? scores512 : scores)(qp, (led ? lead_kt : kt) + (k0 / KP) * KP * d, d, s, vis, panels);
                 for (long p = 0; p < panels; p++) {
                     if (!vis[p]) continue;
                     long cols = round_up(vis[p], 8);
@@ -523,7 +561,8 @@ void paged_prefill_attention(const float* q, long q_stride, const void* pool, in
                     }
                 }
                 /* O = alpha O + P V, a slab of V at a time across the row panels */
-                (avx512 ? values512 : values)(o, d, s, vr, npan * KP, k0, vis, alpha, panels);
+                (avx512 ? values512 : values)(o, d, s, led ? lead_vr : vr, (led ? lead_pan : npan) * KP, k0, vis,
+                                              alpha, panels);
             }
 
             for (long r = 0; r < rows; r++) {
