@@ -293,6 +293,14 @@ AVX512_TARGET static const float* rows_f32_f32(const float* src, long stride, lo
     return src;
 }
 
+/* The n rows (stride elements apart, row_bytes each) of the next block, asked of the caches while
+ * this one is computed: a layer's K/V come from memory (the step's weights passed through the caches
+ * since), and a head's rows lie a token row apart, a stride the hardware prefetchers follow late. */
+static inline void prefetch_rows(const char* p, long stride_bytes, long n, long row_bytes) {
+    for (long t = 0; t < n; t++)
+        for (long o = 0; o < row_bytes; o += 64) _mm_prefetch(p + t * stride_bytes + o, _MM_HINT_T0);
+}
+
 #define PAGED_DECODE512(S, T)                                                                            \
 AVX512_TARGET static void decode512##S(const float* q, const T* pool, const long* tables, const long* lens, \
                                        long batch, long kv_heads, long rows, long head_dim, long num_blocks, \
@@ -321,6 +329,14 @@ AVX512_TARGET static void decode512##S(const float* q, const T* pool, const long
             for (long j = 0; j * block_size < len; j++) {                                                \
                 long n = len - j * block_size < block_size ? len - j * block_size : block_size;          \
                 long blk = tables[b * table_width + j];                                                  \
+                if ((j + 1) * block_size < len) {                                                        \
+                    long next = tables[b * table_width + j + 1];                                         \
+                    long nn = len - (j + 1) * block_size < block_size ? len - (j + 1) * block_size : block_size; \
+                    prefetch_rows((const char*)(pool + next * block_stride + h * d), token_stride * sizeof(T), nn, \
+                                  d * sizeof(T));                                                        \
+                    prefetch_rows((const char*)(v_pool + next * block_stride + h * d), token_stride * sizeof(T), nn, \
+                                  d * sizeof(T));                                                        \
+                }                                                                                        \
                 long kstride, vstride;                                                                   \
                 const float* kb = rows_f32##S(pool + blk * block_stride + h * d, token_stride, n, d, kbuf, &kstride); \
                 const float* vb = rows_f32##S(v_pool + blk * block_stride + h * d, token_stride, n, d, vbuf, &vstride); \
