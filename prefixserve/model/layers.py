@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefixserve.model.huge_pages import zeros_on_huge_pages
 from prefixserve.model.linear import linear
 from prefixserve.model.native.fused_pointwise import FusedPointwise, default_kernel
 
@@ -25,7 +26,8 @@ def fused_kernel(*tensors: torch.Tensor | None, multiple: int = 8) -> FusedPoint
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+    # values always come from a checkpoint or a seeded generator; huge pages for the big ones
+    return nn.Parameter(zeros_on_huge_pages(shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class RMSNorm(nn.Module):

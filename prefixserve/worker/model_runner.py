@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from prefixserve.model.attention.metadata import AttentionMetadata, token_layout
+from prefixserve.model.huge_pages import zeros_on_huge_pages
 from prefixserve.model.kv_layout import kv_cache_bytes_per_block, kv_cache_shape
 from prefixserve.model.loader import LoadedModel
 from prefixserve.model.native.report import load_all
@@ -72,7 +73,7 @@ class ModelRunner:
         shape = kv_cache_shape(self.config, num_blocks, block_size)
         # zeros, not empty: a slot read before it is written must never hold NaNs
         # that a masked-out attention weight of 0 would still turn into NaN.
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [zeros_on_huge_pages(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.config.num_hidden_layers)]
         self.block_tables = BlockTables()
         # Grammar masks are computed on a worker thread during the forward only where the forward
