@@ -63,8 +63,14 @@ minutes=$(( ($(date +%s) - start + 59) / 60 ))
   request computed, at the matmul peak, and decodes each round as one batch at the limit. The single-request
   prefill and decode figures ("prefixserve against the limits") are set against the peak and the bandwidth
   measured again between their own rounds, best of each: on this machine both drift 10-30 % within minutes.
-- **Peak RSS** is the process's resident high-water mark during the run (reset through
-  `/proc/self/clear_refs`); it includes the weights and, for prefixserve, its preallocated KV pool.
+- **Peak RSS** in the workload tables is the bench process's resident high-water mark during the run (reset
+  through `/proc/self/clear_refs`); it includes the weights and, for prefixserve, its preallocated KV pool. For
+  prefixserve's runs on the default pool that process holds both the cache-on and the cache-off engine (each its
+  own weights and KV pool), so the figure is not one server's. The single-server figure is "Serving process
+  memory": a `prefixserve serve` process started on the same checkpoint, dtype, threads and KV pool, sent
+  long-doc-qa over HTTP (each round's requests at once), its VmHWM read from `/proc/<pid>/status` (whole life,
+  loading included; the render process it spawns is not counted) and set against weights + KV pool + 1 GiB, both
+  from its `/metrics`.
 - The machine is a shared 2-vCPU VM: expect run-to-run drift of 10-20 %; compare ratios within one run.
 METHOD
 } > docs/benchmarks.md

@@ -3,6 +3,7 @@ prefix-cached outputs equal uncached ones (and transformers' greedy outputs)."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import gguf
@@ -16,6 +17,7 @@ from prefixserve.benchmarks.checkpoint import checkpoint_folder
 from prefixserve.benchmarks.gguf_export import gguf_path_for
 from prefixserve.benchmarks.report import to_json, to_markdown, write_plots
 from prefixserve.benchmarks.runner import BenchConfig, run_benchmark
+from prefixserve.benchmarks.serving_memory import TARGET_NAME
 from prefixserve.entrypoints.cli import main
 
 
@@ -58,6 +60,19 @@ def test_report_renders_every_run(results, tmp_path: Path) -> None:
     assert {f["engine"] for f in doc["figures"]} >= {"prefixserve", "hf-padded"}
     assert [p.name for p in write_plots(results, tmp_path)] == ["wall_time.png", "ttft_p50.png",
                                                               "computed_tokens.png"]
+
+
+def test_report_has_the_serving_process_memory(results) -> None:
+    memory = results.serving_memory
+    assert memory.workload == "long-doc-qa" and memory.requests == len(results.workloads["long-doc-qa"].requests)
+    on = next(r for r in results.runs if r.engine == "prefixserve")
+    assert memory.kv_cache_bytes == on.extra["kv_cache_bytes"]     # the bench's own pool, in one server
+    text = to_markdown(results)
+    assert "## Serving process memory" in text and f"| peak / budget | {memory.ratio:.2f}x |" in text
+    doc = json.loads(json.dumps(to_json(results)))
+    assert doc["serving_memory"] == {**asdict(memory), "budget_bytes": memory.budget_bytes, "ratio": memory.ratio}
+    target = next(t for t in doc["targets"] if t["name"] == TARGET_NAME)
+    assert target["measured"] == memory.ratio and target["met"] is True
 
 
 def test_exported_checkpoint_holds_the_random_models_weights(results) -> None:

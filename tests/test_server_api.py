@@ -457,9 +457,12 @@ def test_queue_bound_answers_429_with_retry_after():
 
 
 # -------------------------------------------------------------------- metrics
-def test_metrics_exposition(client, http):
+def test_metrics_exposition(server, client, http):
     client.completions.create(model=MODEL, prompt="metrics please", max_tokens=3)
     m = metrics(http)
+    stats = server.in_engine(lambda engine: engine.stats())
+    assert m["prefixserve:weights_bytes"] == stats.weights_bytes > 0
+    assert m["prefixserve:kv_cache_bytes"] == stats.kv_cache_bytes > 0
     for name in ("prefixserve:prefix_cache_queries_total", "prefixserve:prefix_cache_hits_total",
                  "prefixserve:prompt_tokens_total", "prefixserve:generation_tokens_total",
                  "prefixserve:num_preemptions_total", "prefixserve:kv_evictions_total",

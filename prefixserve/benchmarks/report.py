@@ -10,6 +10,7 @@ from prefixserve.benchmarks.figures import Figures, figures_of, output_agreement
 from prefixserve.benchmarks.limits import batched_decode_bound_s, ideal_decode_steps_per_s, \
     ideal_prefill_tokens_per_s, ideal_workload_seconds
 from prefixserve.benchmarks.runner import BenchResults
+from prefixserve.benchmarks.serving_memory import ServingMemory, memory_target
 from prefixserve.benchmarks.targets import Target, evaluate_targets
 
 ENGINE_ORDER = ("prefixserve", "prefixserve-warm", "prefixserve-nocache", "prefixserve-unsalted", "hf-padded",
@@ -28,7 +29,8 @@ def all_figures(res: BenchResults) -> list[Figures]:
 def targets_of(res: BenchResults) -> list[Target]:
     ideal = {name: w.ideal_computed_tokens() for name, w in res.workloads.items()}
     seconds = {name: ideal_workload_seconds(w, res.cost, res.limits)["total_s"] for name, w in res.workloads.items()}
-    return evaluate_targets(res.runs, ideal, res.roofline, decode_bounds(res), res.config.dtype, seconds)
+    return (evaluate_targets(res.runs, ideal, res.roofline, decode_bounds(res), res.config.dtype, seconds)
+            + [memory_target(res.serving_memory)])
 
 
 def decode_bounds(res: BenchResults) -> dict[str, float]:
@@ -78,6 +80,7 @@ def to_markdown(res: BenchResults) -> str:
     lines.append("")
     lines += _roofline_md(res.roofline)
     lines += _targets_md(targets_of(res))
+    lines += _serving_memory_md(res.serving_memory)
     lines += _workloads_md(res)
     if res.skipped:
         lines += ["## Engines not run", ""] + [f"- **{e}**: {why}" for e, why in res.skipped.items()] + [""]
@@ -107,14 +110,32 @@ def _targets_md(targets: list[Target]) -> list[str]:
     return lines + [""]
 
 
+def _serving_memory_md(memory: Optional[ServingMemory]) -> list[str]:
+    if memory is None:
+        return []
+    mib = 1 << 20
+    return ["## Serving process memory", "",
+            f"One `prefixserve serve` process, started as a user starts it on the same checkpoint, dtype, threads "
+            f"and KV pool, served {memory.workload} ({memory.requests} requests over HTTP); its peak is the "
+            f"process's resident high-water mark over its whole life, loading included.", "",
+            "| figure | MiB |", "|---|---|",
+            f"| peak RSS of the serving process | {memory.peak_rss_bytes / mib:.0f} |",
+            f"| weights (parameters and buffers) | {memory.weights_bytes / mib:.0f} |",
+            f"| KV pool | {memory.kv_cache_bytes / mib:.0f} |",
+            f"| budget: weights + KV pool + 1 GiB | {memory.budget_bytes / mib:.0f} |",
+            f"| peak / budget | {memory.ratio:.2f}x |", ""]
+
+
 def _workloads_md(res: BenchResults) -> list[str]:
     figs = all_figures(res)
     lines = ["## Workloads", "",
              "Columns: wall time; requests/s and output tokens/s over the wall time; prompt tokens pushed through "
              "the model (padding included for HF) against the ideal (each distinct prefix once); cache hit rate "
              "(prompt tokens served from a cache); time to first token p50/p90 and time per output token p50, "
-             "measured from the arrival of the request's round; peak resident memory of the process during the "
-             "run; the fraction of the ideal time reached (only uncached tokens at the matmul peak, each round "
+             "measured from the arrival of the request's round; peak resident memory of the bench process during "
+             "the run (for prefixserve's runs on the default pool it holds both the cache-on and the cache-off "
+             "engine, each with its weights and KV pool; one server's figure is under Serving process memory); "
+             "the fraction of the ideal time reached (only uncached tokens at the matmul peak, each round "
              "decoded as one batch at the bandwidth limit); speed-up over HF's padded batch.", ""]
     for name, w in res.workloads.items():
         ideal = ideal_workload_seconds(w, res.cost, res.limits)
@@ -186,6 +207,7 @@ def to_json(res: BenchResults) -> dict:
                           "ideal_seconds": ideal_workload_seconds(w, res.cost, res.limits)}
                       for n, w in res.workloads.items()},
         "skipped": res.skipped,
+        "serving_memory": res.serving_memory.as_dict() if res.serving_memory else None,
         "runs": [{"engine": r.engine, "workload": r.workload, "wall_s": r.wall_s,
                   "computed_prompt_tokens": r.computed_prompt_tokens, "peak_rss_bytes": r.peak_rss_bytes,
                   "note": r.note, "extra": r.extra, "records": [asdict(x) for x in r.records]} for r in res.runs],

@@ -2,6 +2,8 @@
 
 Engines are loaded one family at a time (prefixserve, then transformers, then
 llama.cpp) so only one copy of the weights is resident while another is timed.
+After prefixserve's engines, a `prefixserve serve` subprocess is measured for the
+peak memory of one server (serving_memory.py).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from prefixserve.benchmarks.checkpoint import DEFAULT_CACHE_DIR, checkpoint_folder
 from prefixserve.benchmarks.engines import ENGINE_NAMES, RunResult
 from prefixserve.benchmarks.limits import MachineLimits, ModelCost, measure_limits
+from prefixserve.benchmarks.serving_memory import ServingMemory, ServingMemoryUnavailable, measure_serving_memory
 from prefixserve.benchmarks.workloads import WORKLOAD_NAMES, Workload, build_workload, without_salts
 from prefixserve.model import ModelConfig
 
@@ -65,6 +68,8 @@ class BenchResults:
     runs: list[RunResult] = field(default_factory=list)
     roofline: dict = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)   # engine -> why it did not run
+    # one `prefixserve serve` process on long-doc-qa (None: prefixserve not benchmarked, or not measurable)
+    serving_memory: Optional[ServingMemory] = None
     seconds: float = 0.0
 
 
@@ -129,6 +134,7 @@ def run_benchmark(config: BenchConfig, console: Optional[Console] = None) -> Ben
     with _Progress(console) as progress:
         if "prefixserve" in config.engines:
             _run_prefixserve(config, folder, workloads, progress, results)
+            _measure_serving_memory(config, folder, progress, results)
         if {"hf-padded", "hf-reuse"} & set(config.engines):
             _run_hf(config, folder, workloads, progress, results)
         for quant, name in ((None, "llama.cpp"), ("Q8_0", "llama.cpp-q8_0")):
@@ -144,7 +150,7 @@ def _run_prefixserve(config: BenchConfig, folder: Path, workloads: dict[str, Wor
     from prefixserve.benchmarks.roofline import measure_roofline
 
     plain = [w for w in workloads.values() if w.kv_blocks is None]
-    pool = _KV_POOL_QUICK if config.quick else _KV_POOL
+    pool = _kv_pool(config)
     # Caching on and off are both resident so their runs of a workload alternate: the ratio of the two
     # then does not depend on what the shared machine did in the minutes between them.
     on = PrefixServeEngine("prefixserve", folder, config.dtype, kv_cache_memory=pool)
@@ -178,6 +184,22 @@ def _run_prefixserve(config: BenchConfig, folder: Path, workloads: dict[str, Wor
                 results.runs.append(progress.run(limited, w))
         finally:
             limited.close()
+
+
+def _kv_pool(config: BenchConfig) -> int:
+    return _KV_POOL_QUICK if config.quick else _KV_POOL
+
+
+def _measure_serving_memory(config: BenchConfig, folder: Path, progress: _Progress, results: BenchResults) -> None:
+    """After the in-process engines are closed, so the machine has the memory a lone server would."""
+    workload = build_workload("long-doc-qa", config.quick)
+    progress.note(f"measuring a `prefixserve serve` process's peak memory on {workload.name}")
+    try:
+        results.serving_memory = measure_serving_memory(folder, workload, dtype=config.dtype, threads=config.threads,
+                                                        kv_cache_memory=_kv_pool(config))
+    except ServingMemoryUnavailable as exc:
+        results.skipped["prefixserve serve (memory)"] = str(exc)
+        progress.note(f"[yellow]serving process memory not measured: {exc}")
 
 
 def _repeats(config: BenchConfig, w: Workload) -> int:

@@ -21,6 +21,7 @@ from prefixserve.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from prefixserve.engine.kv_store_bridge import KVStoreBridge
 from prefixserve.engine.outputs import (CachePin, CompletionOutput, EngineInfo, EngineStats, PinInfo,
                                        PinResult, RequestMetrics, RequestOutput)
+from prefixserve.engine.weights_memory import weights_bytes
 from prefixserve.errors import (ConflictError, DuplicateRequestError, InvalidRequestError,
                                 NotFoundError, PinLimitError)
 from prefixserve.kv import KVCacheConfig, KVCacheManager
@@ -92,6 +93,8 @@ class LLMEngine:
         self.loaded = load_model(config.model, dtype=self.dtype_choice.dtype, seed=config.seed, device=self.device,
                                  attention_backend=config.attention_backend)
         self.model_config = self.loaded.config
+        # once: the weights never change after loading, and stats() runs every step
+        self._weights_bytes = weights_bytes(self.loaded.model)
         self.tokenizer = load_tokenizer(config.model)
         self.max_model_len = config.max_model_len or min(
             self.model_config.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
@@ -774,6 +777,7 @@ class LLMEngine:
             prefix_cache_queries=kv.query_tokens,
             prefix_cache_hits=kv.hit_tokens,
             kv_cache_bytes=self.runner.kv_cache_bytes,
+            weights_bytes=self._weights_bytes,
             dtype=self.info.dtype,
             kernels_active={name: k["active"] for name, k in self.runner.kernels.items()},
             num_seats=sum(group.params.n for group in self._groups.values()),

@@ -134,6 +134,8 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     kv_cache_bytes: int
+    # the model's parameters and buffers, each storage once (tied embeddings count once)
+    weights_bytes: int
     dtype: str = ""  # weights, activations and KV pool ("auto" resolved)
     # native CPU kernel name -> active (the reasons are in EngineInfo.kernels)
     kernels_active: dict = field(default_factory=dict)

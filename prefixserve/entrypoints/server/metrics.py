@@ -68,6 +68,9 @@ class EngineStatsCollector(Collector):
         yield self._gauge("kv_blocks_pinned", "KV blocks protected by a pin.", s.blocks_pinned)
         yield self._gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
                           s.blocks_in_use / s.blocks_total if s.blocks_total else 0.0)
+        yield self._gauge("kv_cache_bytes", "Bytes of the preallocated KV pool.", s.kv_cache_bytes)
+        yield self._gauge("weights_bytes", "Bytes of the model's parameters and buffers, each storage once.",
+                          s.weights_bytes)
         if s.kv_stores:
             yield from self._kv_store_families(s.kv_stores)
 
