@@ -51,6 +51,15 @@ def test_without_the_advice_the_same_tensor_does_not() -> None:
     assert huge_bytes_under(t) == 0
 
 
+@needs_thp
+def test_a_tensor_left_to_its_first_touch_takes_no_memory_until_then() -> None:
+    t = zeros_on_huge_pages((16 << 20,), dtype=torch.uint8, device="cpu", resident=False)
+    assert huge_bytes_under(t) == 0
+    t[: 2 * HUGE_PAGE].fill_(1)
+    # the touched 4 MB hold at least one whole aligned huge page, and touch at most three
+    assert HUGE_PAGE <= huge_bytes_under(t) <= 3 * HUGE_PAGE and int(t.sum()) == 2 * HUGE_PAGE
+
+
 def test_small_or_non_cpu_tensors_are_plain_zeros() -> None:
     small = zeros_on_huge_pages((10, 100), dtype=torch.bfloat16, device="cpu")
     assert small.dtype == torch.bfloat16 and bool((small == 0).all())
@@ -64,9 +73,10 @@ def test_the_weights_and_the_kv_pool_ask_for_them() -> None:
     runner = ModelRunner(loaded, block_size=16, num_blocks=4096)
     pool = runner.kv_caches[0]
     assert pool.untyped_storage().nbytes() >= 4 * HUGE_PAGE
+    # resident before any K/V is written: no request pays for faulting in the pool's pages
+    # (all but the unaligned ends of the mapping)
+    assert huge_bytes_under(pool) >= (pool.untyped_storage().nbytes() // HUGE_PAGE - 1) * HUGE_PAGE
     assert bool((pool == 0).all())      # zeros: a slot read before it is written must hold no NaN
-    pool.fill_(1.0)                     # pages are mapped as K/V are first written
-    assert huge_bytes_under(pool) >= 2 * HUGE_PAGE
     weight = empty_parameter(2048, 1024, dtype=torch.float32, device="cpu")     # 8 MB, as the layers make them
     weight.copy_(torch.randn(2048, 1024))
     assert huge_bytes_under(weight) >= 2 * HUGE_PAGE

@@ -27,7 +27,7 @@ def fused_kernel(*tensors: torch.Tensor | None, multiple: int = 8) -> FusedPoint
 
 def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     # values always come from a checkpoint or a seeded generator; huge pages for the big ones
-    return nn.Parameter(zeros_on_huge_pages(shape, dtype=dtype, device=device), requires_grad=False)
+    return nn.Parameter(zeros_on_huge_pages(shape, dtype=dtype, device=device, resident=False), requires_grad=False)
 
 
 class RMSNorm(nn.Module):
