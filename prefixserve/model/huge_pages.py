@@ -30,10 +30,9 @@ def zeros_on_huge_pages(shape: tuple[int, ...], *, dtype: torch.dtype, device: t
 
     resident: every page is faulted in now. The kernel hands out zeroed pages as they are first
     touched; left to that, each request writing K/V to blocks never used before pays for zeroing
-    2 MB pages (measured: the pool writes of 32 new tokens after a cached 1024 took 15 instead of 1.6 ms on a
-    Zen 4 EPYC), and
-    a pool that a busy server grows into could meet an out-of-memory kill mid-request instead of a
-    failure at start. Weights, overwritten by loading right after, skip it."""
+    2 MB pages (the pool writes of 32 new tokens after a cached 1024 took 15 instead of 1.6 ms on a
+    Zen 4 EPYC), and a pool that a busy server grows into could meet an out-of-memory kill
+    mid-request instead of a failure at start. Weights, overwritten by loading right after, skip it."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or _ADVICE is None or not sys.platform.startswith("linux"):
         return torch.zeros(shape, dtype=dtype, device=device)

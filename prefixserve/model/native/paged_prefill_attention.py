@@ -3,8 +3,10 @@
 Used by the torch backend (`model/attention/torch_paged.py`) for every query chunk of more
 than one token in a step, fresh prompts and chunks continuing a cached context alike, for
 float32 and bfloat16 pools on AVX2 CPUs, through AVX-512 tiles where the CPU has them (a
-bfloat16 pool is widened to float32 as it is packed). The CPU flash kernel behind F.scaled_dot_product_attention reaches about a third of the matmul peak on causal prefill, and a chunk over a cached
-context first needs a gathered copy of it; this kernel packs each head's keys once and
+bfloat16 pool's keys are multiplied as bfloat16 pairs with vdpbf16ps where the CPU has
+avx512_bf16, and widened to float32 as they are packed elsewhere; values always are). The CPU
+flash kernel behind F.scaled_dot_product_attention reaches about a third of the matmul peak on
+causal prefill, and a chunk over a cached context first needs a gathered copy of it; this kernel packs each head's keys once and
 runs register-tiled QK^T and PV products over them (see docs/architecture.md).
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Callable
 import torch
 
 from prefixserve.model.native.build import load_default, load_kernel
+from prefixserve.model.native.isa import AVX2, AVX512, AVX512_BF16, ISAS, best_isa
 
 
 class PagedPrefillAttention:
@@ -28,7 +31,7 @@ class PagedPrefillAttention:
     causally (to the keys up to its own position); query head j reads KV head j // (H / KVH).
     """
 
-    def __init__(self, library: ctypes.CDLL, avx512: bool | None = None) -> None:
+    def __init__(self, library: ctypes.CDLL, body: str | None = None) -> None:
         self._fn = library.paged_prefill_attention
         self._fn.restype = None
         self._fn.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
@@ -38,12 +41,15 @@ class PagedPrefillAttention:
         self._workspace.restype = ctypes.c_long
         self._workspace.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 6
         self._library = library
-        # the AVX-512 tiles where the CPU runs them (torch asks the CPU and the OS); same bits as AVX2
-        self.avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512" if avx512 is None else avx512
+        # the widest tiles the CPU runs (torch asks the CPU and the OS): AVX-512 gives the AVX2 bits;
+        # with avx512_bf16 a bfloat16 pool's keys are multiplied in bfloat16 pairs, summed in float32
+        self.body = best_isa() if body is None else body
+        if self.body not in ISAS:
+            raise ValueError(f"unknown body {self.body!r}; one of {ISAS}")
 
-    def with_avx512(self, avx512: bool) -> "PagedPrefillAttention":
-        """The same library through the other tiles (tests compare them; the caller checks the CPU)."""
-        return PagedPrefillAttention(self._library, avx512)
+    def with_body(self, body: str) -> "PagedPrefillAttention":
+        """The same library through other tiles (tests compare them; the caller checks the CPU)."""
+        return PagedPrefillAttention(self._library, body)
 
     @staticmethod
     def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -96,12 +102,14 @@ class PagedPrefillAttention:
             raise ValueError(f"scratch must give {need} contiguous float32 elements")
         self._fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), int(bf16), tables.data_ptr(), seq_lens.data_ptr(),
                  query_start_loc.data_ptr(), batch, heads, kv_heads, head_dim, num_blocks, block_size,
-                 tables.shape[1], min_query_len, scale, result.data_ptr(), work.data_ptr(), int(self.avx512),
+                 tables.shape[1], min_query_len, scale, result.data_ptr(), work.data_ptr(), _BODY_CODES[self.body],
                  torch.get_num_threads())
         if bf16:
             out.copy_(result)
         return out
 
+
+_BODY_CODES = {AVX2: 0, AVX512: 1, AVX512_BF16: 2}
 
 _ERRORS = {-1: "query_start_loc must rise within the rows of q",
            -2: "a sequence has more queries than positions",
@@ -110,15 +118,17 @@ _ERRORS = {-1: "query_start_loc must rise within the rows of q",
 
 def _agrees_with_torch(kernel: PagedPrefillAttention) -> bool:
     """Two sequences (a fresh prompt, a chunk over a cached prefix) against masked plain matmuls, on a
-    float32 pool and on the same values held in bfloat16."""
+    float32 pool and on the same values held in bfloat16 (head dim 24: a word-pair tail)."""
     gen = torch.Generator().manual_seed(0)
-    pool = torch.randn(2, 7, 4, 2, 16, generator=gen).bfloat16().float()
-    q = torch.randn(8, 4, 16, generator=gen).bfloat16().float()
+    pool = torch.randn(2, 7, 4, 2, 24, generator=gen).bfloat16().float()
+    q = torch.randn(8, 4, 24, generator=gen).bfloat16().float()
     tables = torch.tensor([[3, 0, 0], [5, 1, 6]])
     starts, lens = torch.tensor([0, 3, 8]), torch.tensor([3, 11])
     out = kernel(q, pool, starts, lens, tables, 0.25)
     half = kernel(q.bfloat16(), pool.bfloat16(), starts, lens, tables, 0.25)
-    if not torch.equal(half, out.bfloat16()):
+    # within a rounding: the dot-product body sums the products in another order (the tests hold the
+    # float32 bodies to the widened result's bits)
+    if not torch.allclose(half.double(), out.double(), rtol=2 ** -7, atol=1e-5):
         return False
     for b in range(2):
         keys = pool[0][tables[b]].flatten(0, 1)[: lens[b]].repeat_interleave(2, dim=1).transpose(0, 1)

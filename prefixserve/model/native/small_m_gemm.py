@@ -15,29 +15,17 @@ from pathlib import Path
 import torch
 
 from prefixserve.model.native.build import load_default, load_kernel
+from prefixserve.model.native.isa import AVX2, AVX512, AVX512_BF16, best_isa
 
 K_MULTIPLE = 8          # one AVX2 register of float32
 DTYPES = (torch.float32, torch.bfloat16)
 
-# Instruction sets the kernel has a body for, best last: AVX2 + FMA (8 lanes, bfloat16 weights widened),
-# AVX-512 (16 lanes, 4 x 6 register tiles), AVX-512 with bfloat16 dot products.
-AVX2, AVX512, AVX512_BF16 = "avx2", "avx512", "avx512_bf16"
 # Rows up to which each body beats the library GEMM; beyond, the library's packing and blocking win.
 # AVX2: crossover ~32-48 rows (AMD EPYC Zen 4, 2 threads). AVX-512 bodies, on the 0.6B model's
 # projection shapes with weights streamed from memory (Zen 5 EPYC, 2 threads, 2026-12-01): float32
 # 1.3-1.5x oneDNN and bfloat16 1.4-2.4x at 16-96 rows; 64 keeps the kernel's share to decode-sized
 # batches.
 MAX_ROWS_BY_ISA = {AVX2: 32, AVX512: 64, AVX512_BF16: 64}
-
-
-def best_isa() -> str:
-    """The widest body this CPU and OS run, as torch sees them (a hypervisor that withholds a feature
-    withholds it from torch too)."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return AVX2
-    bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    return AVX512_BF16 if bf16 is not None and bf16() else AVX512
-
 
 # Fixed per process (the CPU's features, not a timing), so the same rows always take the same kernel.
 BEST_ISA = best_isa()
