@@ -3,6 +3,7 @@ prefix-cached outputs equal uncached ones (and transformers' greedy outputs)."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from prefixserve import LLM, SamplingParams
 from prefixserve.benchmarks.checkpoint import checkpoint_folder
 from prefixserve.benchmarks.gguf_export import gguf_path_for
 from prefixserve.benchmarks.report import to_json, to_markdown, write_plots
-from prefixserve.benchmarks.runner import BenchConfig, run_benchmark
+from prefixserve.benchmarks.runner import BenchConfig, machine_info, run_benchmark
 from prefixserve.benchmarks.serving_memory import TARGET_NAME
 from prefixserve.entrypoints.cli import main
 
@@ -49,6 +50,26 @@ def test_prefix_caching_computes_the_document_once(results) -> None:
     assert runs["prefixserve-nocache"].computed_prompt_tokens == w.prompt_tokens
     assert runs["hf-reuse"].computed_prompt_tokens == w.ideal_computed_tokens()
     assert runs["prefixserve-warm"].computed_prompt_tokens < len(w.requests) * 40
+
+
+CPUINFO = Path("/proc/cpuinfo")
+
+
+@pytest.mark.skipif(not CPUINFO.is_file(), reason="no /proc/cpuinfo to check the report's CPU against")
+def test_the_report_names_the_cpu_generation_and_its_bfloat16_features(results) -> None:
+    """A VM may call its CPU only "AMD EPYC": family and model tell Zen 4 from Zen 5, and the bfloat16
+    features (as /proc/cpuinfo lists them) what the bfloat16 figures mean."""
+    first = CPUINFO.read_text().split("\n\n")[0]
+    family = re.search(r"^cpu family\s*:\s*(\S+)", first, re.M)
+    model = re.search(r"^model\s*:\s*(\S+)", first, re.M)
+    flags = re.search(r"^flags\s*:(.*)$", first, re.M)[1].split()
+    info = machine_info(2)
+    if family and model:
+        assert info["cpu"].endswith(f"(family {family[1]}, model {model[1]})")
+    assert ("no avx512_bf16" not in info["cpu_features"]) == ("avx512_bf16" in flags)
+    if "amx_tile" not in flags:
+        assert "no AMX" in info["cpu_features"]
+    assert f"Machine: {results.machine['cpu']} ({results.machine['cpu_features']}), " in to_markdown(results)
 
 
 def test_report_renders_every_run(results, tmp_path: Path) -> None:

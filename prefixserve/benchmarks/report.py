@@ -62,11 +62,16 @@ def _ms(x: Optional[float]) -> str:
     return "–" if x is None else f"{x * 1000:.0f}"
 
 
+def _features(machine: dict) -> str:
+    # results written before the features were recorded have none
+    return f" ({machine['cpu_features']})" if machine.get("cpu_features") else ""
+
+
 def to_markdown(res: BenchResults) -> str:
     c, m, lim, cost = res.config, res.machine, res.limits, res.cost
     lines = [f"Model `{c.model}` ({cost.body_params / 1e6:.1f}M body parameters, vocabulary "
              f"{cost.config.vocab_size}), dtype **{c.dtype}**, {'quick' if c.quick else 'full'} workloads. "
-             f"Machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m['threads']} torch threads, torch "
+             f"Machine: {m['cpu']}{_features(m)}, {m['logical_cpus']} logical CPUs, {m['threads']} torch threads, torch "
              f"{m['torch']}. The whole run took {res.seconds / 60:.1f} min.", ""]
     lines += ["## The machine's limits (measured in this run)", "",
               "| figure | value |", "|---|---|"]
