@@ -7,11 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from prefixserve.benchmarks.serving_process import free_port
 
 
 class RedisServer:

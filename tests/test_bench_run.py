@@ -55,20 +55,20 @@ def test_prefix_caching_computes_the_document_once(results) -> None:
 CPUINFO = Path("/proc/cpuinfo")
 
 
-@pytest.mark.skipif(not CPUINFO.is_file(), reason="no /proc/cpuinfo to check the report's CPU against")
 def test_the_report_names_the_cpu_generation_and_its_bfloat16_features(results) -> None:
     """A VM may call its CPU only "AMD EPYC": family and model tell Zen 4 from Zen 5, and the bfloat16
-    features (as /proc/cpuinfo lists them) what the bfloat16 figures mean."""
-    first = CPUINFO.read_text().split("\n\n")[0]
-    family = re.search(r"^cpu family\s*:\s*(\S+)", first, re.M)
-    model = re.search(r"^model\s*:\s*(\S+)", first, re.M)
-    flags = re.search(r"^flags\s*:(.*)$", first, re.M)[1].split()
+    features (as /proc/cpuinfo lists them, where there is one) what the bfloat16 figures mean."""
     info = machine_info(2)
-    if family and model:
-        assert info["cpu"].endswith(f"(family {family[1]}, model {model[1]})")
-    assert ("no avx512_bf16" not in info["cpu_features"]) == ("avx512_bf16" in flags)
-    if "amx_tile" not in flags:
-        assert "no AMX" in info["cpu_features"]
+    if CPUINFO.is_file():
+        first = CPUINFO.read_text().split("\n\n")[0]
+        family = re.search(r"^cpu family\s*:\s*(\S+)", first, re.M)
+        model = re.search(r"^model\s*:\s*(\S+)", first, re.M)
+        flags = re.search(r"^flags\s*:(.*)$", first, re.M)[1].split()
+        if family and model:
+            assert info["cpu"].endswith(f"(family {family[1]}, model {model[1]})")
+        assert ("no avx512_bf16" not in info["cpu_features"]) == ("avx512_bf16" in flags)
+        if "amx_tile" not in flags:
+            assert "no AMX" in info["cpu_features"]
     assert f"Machine: {results.machine['cpu']} ({results.machine['cpu_features']}), " in to_markdown(results)
 
 

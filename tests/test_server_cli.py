@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,15 +11,10 @@ from pathlib import Path
 import httpx
 import openai
 
+from prefixserve.benchmarks.serving_process import free_port
 from prefixserve.entrypoints.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_serve_parser_defaults_and_engine_options():

@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from prefixserve.model.native.isa import cpu_probe
+
 AUTO = "auto"
 # bfloat16 also costs accuracy: take it only for a clear gain
 MIN_BF16_SPEEDUP = 1.25
@@ -32,8 +34,6 @@ class CpuBf16Support:
 
     @classmethod
     def detect(cls) -> "CpuBf16Support":
-        # torch asks the CPU and, for AMX, the OS (which must grant the tile state), so a feature
-        # listed in /proc/cpuinfo but withheld by a hypervisor counts as absent, as it is for oneDNN.
         amx, avx512_bf16 = cpu_probe("_is_amx_tile_supported"), cpu_probe("_is_avx512_bf16_supported")
         speedup = measure_bf16_speedup() if avx512_bf16 and not amx else None
         return cls(amx_bf16=amx, avx512_bf16=avx512_bf16, bf16_speedup=speedup)
@@ -88,9 +88,3 @@ def measure_bf16_speedup(rounds: int = 9) -> float:
             torch.mm(x, y)
             best[i] = min(best[i], time.perf_counter() - start)
     return best[0] / best[1]
-
-
-def cpu_probe(name: str) -> bool:
-    # Private torch probes; a torch without one cannot use the feature either.
-    probe = getattr(torch.cpu, name, None)
-    return bool(probe()) if probe is not None else False

@@ -8,10 +8,17 @@ AVX2, AVX512, AVX512_BF16 = "avx2", "avx512", "avx512_bf16"
 ISAS = (AVX2, AVX512, AVX512_BF16)
 
 
+def cpu_probe(name: str) -> bool:
+    """One of torch's private CPU feature probes (`_is_avx512_bf16_supported`, `_is_amx_tile_supported`):
+    torch asks the CPU and, for AMX, the OS (which must grant the tile state), so a feature listed in
+    /proc/cpuinfo but withheld by a hypervisor counts as absent, as it is for oneDNN. A torch without
+    the probe cannot use the feature either."""
+    probe = getattr(torch.cpu, name, None)
+    return bool(probe()) if probe is not None else False
+
+
 def best_isa() -> str:
-    """The widest body this CPU and OS run, as torch sees them (a hypervisor that withholds a feature
-    withholds it from torch too)."""
+    """The widest body this CPU and OS run, as torch sees them."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return AVX2
-    bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    return AVX512_BF16 if bf16 is not None and bf16() else AVX512
+    return AVX512_BF16 if cpu_probe("_is_avx512_bf16_supported") else AVX512

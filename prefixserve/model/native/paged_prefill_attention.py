@@ -6,8 +6,9 @@ float32 and bfloat16 pools on AVX2 CPUs, through AVX-512 tiles where the CPU has
 bfloat16 pool's keys are multiplied as bfloat16 pairs with vdpbf16ps where the CPU has
 avx512_bf16, and widened to float32 as they are packed elsewhere; values always are). The CPU
 flash kernel behind F.scaled_dot_product_attention reaches about a third of the matmul peak on
-causal prefill, and a chunk over a cached context first needs a gathered copy of it; this kernel packs each head's keys once and
-runs register-tiled QK^T and PV products over them (see docs/architecture.md).
+causal prefill, and a chunk over a cached context first needs a gathered copy of it; this
+kernel packs each head's keys once and runs register-tiled QK^T and PV products over them (see
+docs/architecture.md).
 """
 from __future__ import annotations
 
@@ -118,10 +119,11 @@ _ERRORS = {-1: "query_start_loc must rise within the rows of q",
 
 def _agrees_with_torch(kernel: PagedPrefillAttention) -> bool:
     """Two sequences (a fresh prompt, a chunk over a cached prefix) against masked plain matmuls, on a
-    float32 pool and on the same values held in bfloat16 (head dim 24: a word-pair tail)."""
+    float32 pool and on the same values held in bfloat16 (head dim 32: the dot-product body serves
+    whole 16-element rows)."""
     gen = torch.Generator().manual_seed(0)
-    pool = torch.randn(2, 7, 4, 2, 24, generator=gen).bfloat16().float()
-    q = torch.randn(8, 4, 24, generator=gen).bfloat16().float()
+    pool = torch.randn(2, 7, 4, 2, 32, generator=gen).bfloat16().float()
+    q = torch.randn(8, 4, 32, generator=gen).bfloat16().float()
     tables = torch.tensor([[3, 0, 0], [5, 1, 6]])
     starts, lens = torch.tensor([0, 3, 8]), torch.tensor([3, 11])
     out = kernel(q, pool, starts, lens, tables, 0.25)
