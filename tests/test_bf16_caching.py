@@ -48,6 +48,19 @@ def serve(path: str, dtype: str, caching: bool, batches: list[list[list[int]]]):
     return results, stats
 
 
+def assert_same_outputs(on: list, off: list, dtype: str) -> None:
+    """Equal tokens; the sampled tokens' log-probabilities equal bit for bit where every product is
+    batch-invariant, elsewhere up to the last bits (a row computed in a batch of another size may round
+    differently)."""
+    for i, ((tokens_on, logprobs_on), (tokens_off, logprobs_off)) in enumerate(zip(on, off)):
+        assert tokens_on == tokens_off, f"request {i}"
+        for (lp_on, _), (lp_off, _) in zip(logprobs_on, logprobs_off):
+            if dtype == "bfloat16" and BF16_EXACT:
+                assert lp_on == lp_off, f"request {i}"
+            else:
+                assert lp_on == pytest.approx(lp_off, rel=LOGPROB_RTOL[dtype], abs=LOGPROB_RTOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_cached_prefix_gives_identical_outputs(tiny_checkpoint, arch: str, dtype: str) -> None:
@@ -60,13 +73,31 @@ def test_cached_prefix_gives_identical_outputs(tiny_checkpoint, arch: str, dtype
     off, off_stats = serve(path, dtype, False, batches)
     assert on_stats.cached_prompt_tokens >= (len(ps) - 1) * (PREFIX_LEN // 16) * 16
     assert off_stats.cached_prompt_tokens == 0
-    for i, ((tokens_on, logprobs_on), (tokens_off, logprobs_off)) in enumerate(zip(on, off)):
-        assert tokens_on == tokens_off, f"request {i}"
-        # the sampled token's log-probability is the same number up to the last bits: a row computed
-        # in a batch of another size may round differently (the products are not batch-invariant)
-        for (lp_on, _), (lp_off, _) in zip(logprobs_on, logprobs_off):
-            if dtype == "bfloat16" and BF16_EXACT:
-                assert lp_on == lp_off, f"request {i}"
-            else:
-                assert lp_on == pytest.approx(lp_off, rel=LOGPROB_RTOL[dtype], abs=LOGPROB_RTOL[dtype])
+    assert_same_outputs(on, off, dtype)
 
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_token_remainders_and_reused_decoded_kv_give_identical_outputs(tiny_checkpoint, dtype: str) -> None:
+    """The two ways a token's attention runs in another kernel with caching on than off: a prompt
+    whose uncached remainder is a single token (decode kernel on; a prefill chunk off), and a next
+    turn whose prompt holds the previous answer (its K/V written by decode steps on; recomputed in a
+    prefill off). Both kernels give a token the same bits, so the outputs are the same."""
+    rng = random.Random(9)
+    first = [rng.randrange(10, 1000) for _ in range(64)]          # 4 whole blocks
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+
+    def conversation(caching: bool):
+        llm = LLM(str(tiny_checkpoint("qwen3")), dtype=dtype, enable_prefix_caching=caching, block_size=16,
+                  num_kv_blocks=128)
+        turn1 = llm.generate({"prompt_token_ids": first}, params)[0]
+        answer = turn1.outputs[0].token_ids
+        one_more = llm.generate({"prompt_token_ids": first + [7]}, params)[0]
+        turn2 = llm.generate({"prompt_token_ids": first + answer + [11, 12, 13]}, params)[0]
+        outs = [turn1, one_more, turn2]
+        return ([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], [o.num_cached_tokens for o in outs])
+
+    on, cached_on = conversation(True)
+    off, cached_off = conversation(False)
+    # the one-token remainder and the reused answer blocks (64 + 24 tokens: 5 whole blocks)
+    assert cached_on == [0, 64, 80] and cached_off == [0, 0, 0]
+    assert_same_outputs(on, off, dtype)

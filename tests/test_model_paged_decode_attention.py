@@ -1,21 +1,23 @@
 """The paged decode-attention kernel against plain float64 softmax attention over gathered K/V, in
-each body this CPU runs (AVX2 everywhere, AVX-512 where torch reports it), and the two properties
-exact prefix caching rests on: a softmax carried on from a shared run's state gives the bits of one
-pass over the whole context, and a row's bits do not depend on the rows beside it."""
+each body this CPU runs (AVX2 everywhere, AVX-512 and its bfloat16 pairs where torch reports them),
+and the two properties exact prefix caching rests on: a softmax carried on from a shared run's state
+gives the bits of one pass over the whole context, and a row's bits do not depend on the rows beside
+it. (That a token gets the prefill kernel's bits: test_model_attention_kernels_agree.py.)"""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from native_kernel_build import build_fresh
+from prefixserve.model.native.isa import ISAS, best_isa
 from prefixserve.model.native.paged_decode_attention import PagedDecodeAttention, load
 
-BODIES = ["avx2"] + (["avx512"] if torch.backends.cpu.get_cpu_capability() == "AVX512" else [])
+BODIES = ISAS[: ISAS.index(best_isa()) + 1]
 
 
 @pytest.fixture(scope="module", params=BODIES)
 def kernel(request, tmp_path_factory) -> PagedDecodeAttention:
-    return build_fresh(load, tmp_path_factory).with_avx512(request.param == "avx512")
+    return build_fresh(load, tmp_path_factory).with_body(request.param)
 
 
 def reference(q, pool, tables, lens, scale):
@@ -41,7 +43,8 @@ def test_matches_reference(kernel: PagedDecodeAttention, block_size: int, rows: 
     gen = torch.Generator().manual_seed(block_size * 1000 + rows * 10 + head_dim)
     kv_heads, num_blocks, batch, width = 3, 23, 4, 6
     pool = (torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen) * 2).to(dtype)
-    q = torch.randn(batch, kv_heads, rows, head_dim, generator=gen)
+    # a bfloat16 model's queries hold bfloat16 values (the pair body multiplies them as such)
+    q = torch.randn(batch, kv_heads, rows, head_dim, generator=gen).to(dtype).float()
     # distinct random blocks per sequence, lengths cutting into the middle of a block
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in range(batch)])
     lens = torch.randint(1, width * block_size + 1, (batch,), generator=gen)
@@ -64,14 +67,16 @@ def test_carrying_a_runs_state_gives_the_bits_of_one_pass(kernel: PagedDecodeAtt
     """Several sequences share their first blocks (a cached document): the run is attended once with
     every member's queries stacked as the rows of one task, left unfinished, and each member carries
     on over its own blocks. Each member must get exactly what one pass over its whole table gives,
-    whatever the number of members stacked."""
+    whatever the number of members stacked. The run is two softmax tiles: one pass starts a tile where
+    the member's own blocks start."""
     gen = torch.Generator().manual_seed(head_dim)
-    block_size, kv_heads, group, run_blocks, num_blocks = 16, 2, 3, 5, 40
+    block_size, kv_heads, group, num_blocks = 16, 2, 3, 40
+    run_blocks = 2 * kernel.tile_keys // block_size
     pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
     order = torch.randperm(num_blocks, generator=gen)
     run, rest = order[:run_blocks], order[run_blocks:]
     for members in (1, 2, 7):
-        q = torch.randn(members, kv_heads, group, head_dim, generator=gen)
+        q = torch.randn(members, kv_heads, group, head_dim, generator=gen).to(dtype).float()
         own = torch.stack([rest[i * 3:i * 3 + 3] for i in range(members)])            # 3 blocks each
         own_lens = torch.randint(1, 3 * block_size + 1, (members,), generator=gen)
         whole_tables = torch.cat([run.expand(members, -1), own], 1)
@@ -90,15 +95,24 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(kernel: PagedDecodeAtte
     gen = torch.Generator().manual_seed(3)
     pool = torch.randn(2, 12, 16, 1, 128, generator=gen).to(dtype)
     tables, lens = torch.randperm(12, generator=gen)[None, :10], torch.tensor([150])
-    q = torch.randn(1, 1, 20, 128, generator=gen)
+    q = torch.randn(1, 1, 20, 128, generator=gen).to(dtype).float()
     out, lse = kernel(q, pool, tables, lens, 0.09)
     for r in range(20):
         alone_out, alone_lse = kernel(q[:, :, r:r + 1].contiguous(), pool, tables, lens, 0.09)
         assert torch.equal(alone_out[0, 0, 0], out[0, 0, r]) and torch.equal(alone_lse[0, 0, 0], lse[0, 0, r]), r
 
 
+def test_a_partial_pass_must_end_at_a_tiles_edge(kernel: PagedDecodeAttention) -> None:
+    pool = torch.zeros(2, 8, 16, 1, 16)
+    tables = torch.arange(8)[None]
+    kernel.partial(torch.zeros(1, 1, 2, 16), pool, tables, torch.tensor([kernel.tile_keys]), 1.0)
+    with pytest.raises(ValueError, match="whole tiles"):
+        kernel.partial(torch.zeros(1, 1, 2, 16), pool, tables, torch.tensor([kernel.tile_keys - 16]), 1.0)
+
+
 def test_carry_must_match_the_queries(kernel: PagedDecodeAttention) -> None:
-    pool = torch.zeros(2, 4, 4, 1, 16)
-    part = kernel.partial(torch.zeros(1, 1, 2, 16), pool, torch.tensor([[0]]), torch.tensor([4]), 1.0)
+    pool = torch.zeros(2, 8, 16, 1, 16)
+    tables = torch.arange(8)[None]
+    part = kernel.partial(torch.zeros(1, 1, 2, 16), pool, tables, torch.tensor([kernel.tile_keys]), 1.0)
     with pytest.raises(ValueError, match="carry"):
-        kernel(torch.zeros(1, 1, 3, 16), pool, torch.tensor([[1]]), torch.tensor([4]), 1.0, carry=part)
+        kernel(torch.zeros(1, 1, 3, 16), pool, tables, torch.tensor([4]), 1.0, carry=part)

@@ -16,6 +16,7 @@ groups of sequences that share a first block) and every layer reads it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -51,7 +52,9 @@ class DecodePlan:
         return (slots[None, :] >= self.suffix_lens[:, None])[:, None, None, :]
 
 
-def plan_decode(meta: AttentionMetadata) -> DecodePlan | None:
+def plan_decode(meta: AttentionMetadata, run_tokens_multiple: int = 1) -> DecodePlan | None:
+    """The step's decode plan; every shared run a whole number of `run_tokens_multiple` tokens (the
+    native kernel's softmax tile: a run ending inside a tile would change the bits it carries on)."""
     starts = meta.query_start_loc_cpu
     decoding = np.flatnonzero(starts[1:] - starts[:-1] == 1)
     if not len(decoding):
@@ -62,7 +65,8 @@ def plan_decode(meta: AttentionMetadata) -> DecodePlan | None:
     else:
         tables, lens = meta.block_tables_cpu[decoding], meta.seq_lens_cpu[decoding]
     shared_blocks = np.zeros(len(decoding), dtype=np.int64)
-    runs = [] if len(decoding) < 2 else _shared_runs(tables, lens, bs, shared_blocks)
+    unit = math.lcm(bs, run_tokens_multiple) // bs
+    runs = [] if len(decoding) < 2 else _shared_runs(tables, lens, bs, unit, shared_blocks)
 
     used = -(-lens // bs)
     width = int((used - shared_blocks).max())
@@ -83,10 +87,10 @@ def plan_decode(meta: AttentionMetadata) -> DecodePlan | None:
     )
 
 
-def _shared_runs(tables: np.ndarray, lens: np.ndarray, block_size: int,
+def _shared_runs(tables: np.ndarray, lens: np.ndarray, block_size: int, unit: int,
                  shared_blocks: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(members, blocks) of each group of decode sequences whose tables start with the same blocks;
-    records each member's run length in shared_blocks."""
+    """(members, blocks) of each group of decode sequences whose tables start with the same blocks, a
+    whole number of `unit` blocks each; records each member's run length in shared_blocks."""
     first = tables[:, 0]
     order = np.argsort(first, kind="stable")   # stable: members stay in row order
     ordered = first[order]
@@ -106,6 +110,7 @@ def _shared_runs(tables: np.ndarray, lens: np.ndarray, block_size: int,
         leading = tables[members, :limit]
         agree = (leading == leading[0]).all(axis=0)
         length = limit if agree.all() else int(agree.argmin())
+        length -= length % unit
         if length:
             runs.append((members, leading[0, :length].copy()))
             shared_blocks[members] = length

@@ -79,7 +79,9 @@ class TorchPagedAttention(AttentionBackend):
         self._prefill_kernel = paged_prefill_attention.default_kernel() if use_native else None
 
     def build_metadata(self, common: AttentionMetadata) -> TorchPagedMetadata:
-        return TorchPagedMetadata(common, plan_decode(common))
+        # the native kernel carries a run's state into a sequence's own blocks at a softmax tile's edge
+        tile = self._decode_kernel.tile_keys if self._decode_kernel is not None else 1
+        return TorchPagedMetadata(common, plan_decode(common, tile))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 step: TorchPagedMetadata, scale: float) -> torch.Tensor:

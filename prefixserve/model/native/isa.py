@@ -6,6 +6,8 @@ import torch
 # best last: AVX2 + FMA (8 lanes), AVX-512 (16 lanes), AVX-512 with bfloat16 dot products (vdpbf16ps)
 AVX2, AVX512, AVX512_BF16 = "avx2", "avx512", "avx512_bf16"
 ISAS = (AVX2, AVX512, AVX512_BF16)
+# the `body` argument of the attention kernels (attention_tiles.h)
+BODY_CODES = {AVX2: 0, AVX512: 1, AVX512_BF16: 2}
 
 
 def cpu_probe(name: str) -> bool:

@@ -1,387 +1,257 @@
-/* Decode attention read straight from the paged KV pool, float32 math, AVX2 + FMA (an AVX-512 body below).
+/* Decode attention read straight from the paged KV pool, float32 math, in the prefill kernel's tiles.
  *
  * For each (sequence b, KV head h): the R query rows of q[b, h] (the G query heads of a
  * grouped-query KV head, or several sequences' heads stacked over a shared run) attend to
- * the first lens[b] slots of the blocks tables[b, :], with an online softmax block by
- * block. Returns the outputs and the log-sum-exps of the scaled scores, or (finalize = 0) leaves
- * the unnormalised outputs with the running max and denominator in state_m / state_l, for a
- * later call (carry_in = 1) over the following blocks to carry on from: one pass over a shared
- * run for several sequences, then each sequence's own blocks, gives the bits of one pass over
- * the whole context.
+ * the first lens[b] slots of the blocks tables[b, :]. Returns the outputs and the log-sum-exps of
+ * the scaled scores, or (finalize = 0) leaves the unnormalised outputs with the running max and
+ * denominator (base 2) in state_m / state_l, for a later call (carry_in = 1) over the following
+ * keys to carry on from: one pass over a shared run for several sequences, then each sequence's own
+ * blocks, gives the bits of one pass over the whole context when the run is a whole number of
+ * softmax tiles (KT keys; paged_attention_tile_keys()).
  *
- * The torch path gathers the blocks into a dense copy, then reads the copy: three passes
- * over K/V, which at decode time outweighs the arithmetic. Here every K/V row is read
- * once, from where it lives.
+ * Every row goes through the tiles of paged_prefill_attention.c (attention_tiles.h) over softmax
+ * tiles starting at the same keys, so a token's output has the same bits as when the prefill kernel
+ * computes it as a row of a chunk: what keeps prefix caching exact when a prompt's last uncached token
+ * runs alone, or a later turn reuses K/V that decode steps wrote, or a preempted sequence recomputes
+ * in a prefill what it decoded. Per tile of 64 keys, the keys are packed out of the pool into 16-key
+ * panels (transposed, as bfloat16 pairs for a bfloat16 pool where they can be) and, for tasks of
+ * more than 3 rows, the values into 16-column slabs: a few KB that stay in L1 while every row of the
+ * task reads them, so each K/V row is read from the pool once per task and the rows stacked over a
+ * shared run make the products a small GEMM. Tasks of up to 3 rows (one sequence's G heads) read
+ * each V row in place instead.
  *
- * The pool holds float32 or bfloat16 (pool_bf16): bfloat16 K/V are widened to float32 lanes by a
- * shift as they are read (exact), so at the bandwidth bound a bfloat16 pool is read twice as fast
- * and the results are those of float32 attention over the same values.
+ * Against the previous kernel (its own summation order, one block per softmax step), 2-core AMD EPYC
+ * Zen 3 (AVX2), 8 KV heads of 128, K/V from memory: 16 sequences stacked over a 1024-token run
+ * 5.0 -> 2.0 ms a layer (bfloat16 pool), 4.9 -> 2.5 ms (float32); one sequence over 1024 tokens
+ * 1.0 -> 1.1 ms (bfloat16), 1.0 -> 1.2 ms (float32): the transposes the shared tiles need cost a
+ * few-row task more than the lane sums they replace.
  *
- * pool: [2, num_blocks, block_size, KVH, D] (K then V); q, out: [B, KVH, R, D] float32; lse: [B, KVH, R].
- * Requires D % 8 == 0.
+ * pool: [2, num_blocks, block_size, KVH, D] (K then V); q, out: [B, KVH, R, D] float32 (with a
+ * bfloat16 pool holding bfloat16 values: the model's queries, widened); lse: [B, KVH, R].
+ * body: 0 the AVX2 tiles, 1 the AVX-512 tiles, 2 with a bfloat16 pool's keys in word pairs (the
+ * prefill kernel's codes). Requires D % 8 == 0.
  */
 #include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
-#include "simd.h"
+#include "attention_tiles.h"
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s);
-}
+long paged_attention_tile_keys(void) { return KT; }
 
-static inline __m256 load_f32(const float* p) { return _mm256_loadu_ps(p); }
-
-static inline __m256 load_bf16(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
-/* A task's rows begin from nothing (m = -inf, l = 0, acc = 0) or, carried in, from the state an earlier
- * call left for the blocks before these: the unnormalised accumulator in acc, m and l in state_m/l. */
-static void start_rows(float* acc, float* m, float* l, const float* state_m, const float* state_l, long rows,
-                       long head_dim, int carry_in) {
-    for (long r = 0; r < rows; r++) {
-        if (carry_in) {
+/* Per row of a task: the online softmax's state on entry, fresh (m = -inf, l = 0, o = 0) or carried in
+ * from the unnormalised accumulator acc and state_m / state_l. Rows past R (padding of the last 6-row
+ * panel) start fresh and are never written out. */
+static void start_rows(float* o, float* m, float* l, const float* acc, const float* state_m, const float* state_l,
+                       long rows, long padded, long d, int carry_in) {
+    for (long r = 0; r < padded; r++) {
+        if (carry_in && r < rows) {
             m[r] = state_m[r];
             l[r] = state_l[r];
+            memcpy(o + r * d, acc + r * d, sizeof(float) * d);
         } else {
             m[r] = -INFINITY;
             l[r] = 0.0f;
-            for (long e = 0; e < head_dim; e++) acc[r * head_dim + e] = 0.0f;
+            memset(o + r * d, 0, sizeof(float) * d);
         }
     }
 }
 
-/* Finalised: acc divided by l, and the log-sum-exp of the scaled scores. Otherwise the state is left for
- * a later call to carry on from: acc unnormalised, m and l in state_m/l. */
-static void end_rows(float* acc, const float* m, const float* l, float* lse, float* state_m, float* state_l,
-                     long rows, long head_dim, int finalize) {
+/* Finalised: o scaled by 1 / l as the prefill kernel does, and the natural log-sum-exp of the scaled
+ * scores. Otherwise o, m and l are left for a later call. */
+static void end_rows(const float* o, const float* m, const float* l, float* acc, float* lse, float* state_m,
+                     float* state_l, long rows, long d, int finalize) {
     for (long r = 0; r < rows; r++) {
-        if (finalize) {
-            float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-            for (long e = 0; e < head_dim; e++) acc[r * head_dim + e] *= inv;
-            lse[r] = l[r] > 0.0f ? m[r] + logf(l[r]) : -INFINITY;
-        } else {
+        if (!finalize) {
+            memcpy(acc + r * d, o + r * d, sizeof(float) * d);
             state_m[r] = m[r];
             state_l[r] = l[r];
+            continue;
+        }
+        const __m256 inv = _mm256_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+        for (long e = 0; e < d; e += 8) _mm256_storeu_ps(acc + r * d + e, _mm256_mul_ps(inv, _mm256_loadu_ps(o + r * d + e)));
+        lse[r] = l[r] > 0.0f ? (m[r] + log2f(l[r])) * 0.69314718055994531f : -INFINITY;
+    }
+}
+
+/* Tiles for tasks of a few rows (a KV head's G query heads, one sequence): the 6-row tiles would spend
+ * most of their multiply-adds on zero rows. The same chain per lane as tile_qk / tile_pv16 (so the same
+ * bits), over 32 keys or 32 columns a tile: nr <= 3 rows x 4 vectors of accumulators. */
+#define FEW_ROWS 3
+
+/* s[r, 0..32) = sum_d qp[d, r] * (two consecutive K panels)[d, 0..32) for r < nr; qp a [D][6] panel */
+static ALWAYS_INLINE void qk_few(const float* qp, const float* kt, long d, float* s, long lds, const int nr) {
+    __m256 c[FEW_ROWS][4];
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < 4; j++) c[r][j] = _mm256_setzero_ps();
+    const float* kt1 = kt + KP * d;
+    for (long i = 0; i < d; i++) {
+        const __m256 k0 = _mm256_loadu_ps(kt + i * KP), k1 = _mm256_loadu_ps(kt + i * KP + 8);
+        const __m256 k2 = _mm256_loadu_ps(kt1 + i * KP), k3 = _mm256_loadu_ps(kt1 + i * KP + 8);
+        for (int r = 0; r < nr; r++) {
+            const __m256 a = _mm256_broadcast_ss(qp + i * MR + r);
+            c[r][0] = _mm256_fmadd_ps(a, k0, c[r][0]);
+            c[r][1] = _mm256_fmadd_ps(a, k1, c[r][1]);
+            c[r][2] = _mm256_fmadd_ps(a, k2, c[r][2]);
+            c[r][3] = _mm256_fmadd_ps(a, k3, c[r][3]);
         }
     }
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(s + r * lds + 8 * j, c[r][j]);
 }
 
-/* One body for both pool types: T is the pool's element type, LOAD widens 8 of them to float32 lanes.
- * Defines dot4##S (scores of one query row against 4 keys spaced `stride` apart: four independent FMA
- * chains), dot##S, scale_accumulate##S (acc = acc * alpha + sum_t p[t] * v[t] over n rows of v spaced
- * `stride` apart, 64 columns at a time in 8 registers so the FMAs form 8 independent chains) and
- * decode##S, the loop over (sequence, KV head) tasks. */
-#define PAGED_DECODE(S, T, LOAD)                                                                         \
-static inline void dot4##S(const float* q, const T* k, long stride, long d, float* out) {                \
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),                 \
-           a3 = _mm256_setzero_ps();                                                                     \
-    for (long p = 0; p < d; p += 8) {                                                                    \
-        __m256 x = _mm256_loadu_ps(q + p);                                                               \
-        a0 = _mm256_fmadd_ps(x, LOAD(k + p), a0);                                                        \
-        a1 = _mm256_fmadd_ps(x, LOAD(k + stride + p), a1);                                               \
-        a2 = _mm256_fmadd_ps(x, LOAD(k + 2 * stride + p), a2);                                           \
-        a3 = _mm256_fmadd_ps(x, LOAD(k + 3 * stride + p), a3);                                           \
-    }                                                                                                    \
-    out[0] = hsum(a0); out[1] = hsum(a1); out[2] = hsum(a2); out[3] = hsum(a3);                          \
-}                                                                                                        \
-                                                                                                         \
-static inline float dot##S(const float* q, const T* k, long d) {                                         \
-    __m256 a = _mm256_setzero_ps();                                                                      \
-    for (long p = 0; p < d; p += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + p), LOAD(k + p), a);         \
-    return hsum(a);                                                                                      \
-}                                                                                                        \
-                                                                                                         \
-static inline void scale_accumulate##S(float* acc, float alpha, const float* p, const T* v, long n,      \
-                                       long stride, long d) {                                            \
-    __m256 a = _mm256_set1_ps(alpha);                                                                    \
-    long e = 0;                                                                                          \
-    for (; e + 64 <= d; e += 64) {                                                                       \
-        __m256 s[8];                                                                                     \
-        for (int i = 0; i < 8; i++) s[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + e + 8 * i), a);          \
-        for (long t = 0; t < n; t++) {                                                                   \
-            __m256 w = _mm256_set1_ps(p[t]);                                                             \
-            const T* vt = v + t * stride + e;                                                            \
-            for (int i = 0; i < 8; i++) s[i] = _mm256_fmadd_ps(w, LOAD(vt + 8 * i), s[i]);              \
-        }                                                                                                \
-        for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + e + 8 * i, s[i]);                             \
-    }                                                                                                    \
-    for (; e < d; e += 8) {                                                                              \
-        __m256 s = _mm256_mul_ps(_mm256_loadu_ps(acc + e), a);                                           \
-        for (long t = 0; t < n; t++) s = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), LOAD(v + t * stride + e), s); \
-        _mm256_storeu_ps(acc + e, s);                                                                    \
-    }                                                                                                    \
-}                                                                                                        \
-                                                                                                         \
-static void decode##S(const float* q, const T* pool, const long* tables, const long* lens, long batch,    \
-                      long kv_heads, long rows, long head_dim, long num_blocks, long block_size,         \
-                      long table_width, float scale, float* out, float* lse, float* state_m,             \
-                      float* state_l, int carry_in, int finalize, int threads) {                         \
-    const long token_stride = kv_heads * head_dim;      /* elements between slots of one head */         \
-    const long block_stride = block_size * token_stride;                                                 \
-    const T* v_pool = pool + num_blocks * block_stride;                                                  \
-    _Pragma("omp parallel num_threads(threads)")                                                         \
-    {                                                                                                    \
-        /* per thread: running max, denominator and R x block_size scores */                            \
-        float* m = malloc(sizeof(float) * rows * (2 + block_size));                                      \
-        float* l = m + rows;                                                                             \
-        float* s = l + rows;                                                                             \
-        _Pragma("omp for schedule(static)")                                                              \
-        for (long task = 0; task < batch * kv_heads; task++) {                                           \
-            long b = task / kv_heads, h = task % kv_heads;                                               \
-            const float* qb = q + task * rows * head_dim;                                                \
-            float* acc = out + task * rows * head_dim;                                                   \
-            start_rows(acc, m, l, state_m + task * rows, state_l + task * rows, rows, head_dim, carry_in); \
-            long len = lens[b];                                                                          \
-            for (long j = 0; j * block_size < len; j++) {                                                \
-                long n = len - j * block_size < block_size ? len - j * block_size : block_size;          \
-                long blk = tables[b * table_width + j];                                                  \
-                const T* kb = pool + blk * block_stride + h * head_dim;                                  \
-                const T* vb = v_pool + blk * block_stride + h * head_dim;                                \
-                for (long r = 0; r < rows; r++) {                                                        \
-                    float* sr = s + r * block_size;                                                      \
-                    float top = m[r];                                                                    \
-                    long t = 0;                                                                          \
-                    for (; t + 4 <= n; t += 4)                                                           \
-                        dot4##S(qb + r * head_dim, kb + t * token_stride, token_stride, head_dim, sr + t); \
-                    for (; t < n; t++) sr[t] = dot##S(qb + r * head_dim, kb + t * token_stride, head_dim); \
-                    for (t = 0; t < n; t++) {                                                            \
-                        sr[t] *= scale;                                                                  \
-                        if (sr[t] > top) top = sr[t];                                                    \
-                    }                                                                                    \
-                    float alpha = expf(m[r] - top);   /* 0 on the first block: m = -inf */               \
-                    float sum = 0.0f;                                                                    \
-                    for (long t = 0; t < n; t++) {                                                       \
-                        sr[t] = expf(sr[t] - top);                                                       \
-                        sum += sr[t];                                                                    \
-                    }                                                                                    \
-                    l[r] = l[r] * alpha + sum;                                                           \
-                    m[r] = top;                                                                          \
-                    scale_accumulate##S(acc + r * head_dim, alpha, sr, vb, n, token_stride, head_dim);   \
-                }                                                                                        \
-            }                                                                                            \
-            end_rows(acc, m, l, lse + task * rows, state_m + task * rows, state_l + task * rows, rows,      \
-                     head_dim, finalize);                                                                \
-        }                                                                                                \
-        free(m);                                                                                         \
-    }                                                                                                    \
-}
-
-PAGED_DECODE(_f32, float, load_f32)
-PAGED_DECODE(_bf16, uint16_t, load_bf16)
-
-/* The AVX-512 body, for head_dim % 16 == 0: the same online softmax, with the rows of a task blocked
- * like a GEMM so that each K and V row serves several query rows. A task's rows are the G heads of a
- * KV head, or many sequences' heads stacked over a shared run: the more rows, the more a key is
- * reused. Per block: K and V widened once into float32 scratch (a bfloat16 pool; a float32 pool is
- * read in place), scores 6 rows x 4 keys in 24 accumulators of 16 lanes summed by reduce4, the
- * softmax 16 scores at a time with a polynomial exp, values 3 rows x 128 columns in 24 accumulators.
- * Each score and each output element goes through the same operations in the same order whatever
- * the number of rows in the task, so a row's result does not depend on the rows beside it. */
-#define QK_ROWS 6
-#define PV_ROWS 3
-#define PV_VECS 8       /* 128 columns */
-
-/* e^x for x <= 0 through the shared 2^x polynomial; below ~-87 gives ~2^-125. */
-AVX512_TARGET static ALWAYS_INLINE __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _mm512_set1_ps(-125.0f));
-    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(EXP2_C5);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C0));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* Scores of NR query rows (d apart) against the 4 keys k[0..4) (float32): s[r * sstride + 0..4). */
-AVX512_TARGET static ALWAYS_INLINE void qk512(const float* q, long d, const float* const* k, float* s, long sstride,
-                                             const int NR) {
-    __m512 a[QK_ROWS][4];
-    for (int r = 0; r < NR; r++)
-        for (int j = 0; j < 4; j++) a[r][j] = _mm512_setzero_ps();
-    for (long p = 0; p < d; p += 16) {
-        __m512 k0 = _mm512_loadu_ps(k[0] + p), k1 = _mm512_loadu_ps(k[1] + p), k2 = _mm512_loadu_ps(k[2] + p),
-               k3 = _mm512_loadu_ps(k[3] + p);
-        for (int r = 0; r < NR; r++) {
-            __m512 x = _mm512_loadu_ps(q + r * d + p);
-            a[r][0] = _mm512_fmadd_ps(x, k0, a[r][0]);
-            a[r][1] = _mm512_fmadd_ps(x, k1, a[r][1]);
-            a[r][2] = _mm512_fmadd_ps(x, k2, a[r][2]);
-            a[r][3] = _mm512_fmadd_ps(x, k3, a[r][3]);
+/* qk_few over a bfloat16 pool's keys packed as word pairs (pack_keys_bf16: [D/2][16] words a panel),
+ * widened here: half the transposing of widened keys, which is most of a few-row task's work. Each lane
+ * still multiplies dimension 2i before 2i + 1, the same chain as qk_few. */
+static ALWAYS_INLINE void qk_few_pairs(const float* qp, const float* kt, long d, float* s, long lds, const int nr) {
+    __m256 c[FEW_ROWS][4];
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < 4; j++) c[r][j] = _mm256_setzero_ps();
+    const float* kt1 = kt + KP * d / 2;
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (long i = 0; i < d / 2; i++) {
+        const __m256i w[4] = {_mm256_loadu_si256((const __m256i*)(kt + i * KP)),
+                              _mm256_loadu_si256((const __m256i*)(kt + i * KP + 8)),
+                              _mm256_loadu_si256((const __m256i*)(kt1 + i * KP)),
+                              _mm256_loadu_si256((const __m256i*)(kt1 + i * KP + 8))};
+        __m256 k[4];
+        for (int j = 0; j < 4; j++) k[j] = _mm256_castsi256_ps(_mm256_slli_epi32(w[j], 16));
+        for (int r = 0; r < nr; r++) {
+            const __m256 a = _mm256_broadcast_ss(qp + 2 * i * MR + r);
+            for (int j = 0; j < 4; j++) c[r][j] = _mm256_fmadd_ps(a, k[j], c[r][j]);
+        }
+        for (int j = 0; j < 4; j++) k[j] = _mm256_castsi256_ps(_mm256_and_si256(w[j], high));
+        for (int r = 0; r < nr; r++) {
+            const __m256 a = _mm256_broadcast_ss(qp + (2 * i + 1) * MR + r);
+            for (int j = 0; j < 4; j++) c[r][j] = _mm256_fmadd_ps(a, k[j], c[r][j]);
         }
     }
-    for (int r = 0; r < NR; r++) _mm_storeu_ps(s + r * sstride, reduce4(a[r][0], a[r][1], a[r][2], a[r][3]));
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(s + r * lds + 8 * j, c[r][j]);
 }
 
-/* acc[r] = acc[r] * alpha[r] + sum_t p[r][t] v[t] for NR rows (d apart), columns [e, e + 16 NV);
- * v rows (float32) vstride apart. */
-AVX512_TARGET static ALWAYS_INLINE void pv512(float* acc, long d, long e, const float* alpha, const float* p,
-                                             long pstride, const float* v, long vstride, long n, const int NR,
-                                             const int NV) {
-    __m512 c[PV_ROWS][PV_VECS];
-    for (int r = 0; r < NR; r++) {
-        __m512 al = _mm512_set1_ps(alpha[r]);
-        for (int i = 0; i < NV; i++) c[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + e + 16 * i), al);
+/* o[r, c..c+8 nv) = alpha[r] * o[r, ..] + sum_{j<n} p[r, j] * V_j[c..c+8 nv) for r < nr, nv <= 4, each V
+ * row read where it lies in the pool (v[j]: its element c; widened from bfloat16 as it is read) */
+static ALWAYS_INLINE void pv_few(float* o, long ldo, const float* p, long ldp, const void* pool, int bf16,
+                                 const long* v, long c, long n, const float* alpha, const int nr, const int nv) {
+    __m256 acc[FEW_ROWS][4];
+    for (int r = 0; r < nr; r++) {
+        const __m256 a = _mm256_broadcast_ss(alpha + r);
+        for (int i = 0; i < nv; i++) acc[r][i] = _mm256_mul_ps(a, _mm256_loadu_ps(o + r * ldo + c + 8 * i));
     }
-    for (long t = 0; t < n; t++) {
-        __m512 w[PV_ROWS];
-        for (int r = 0; r < NR; r++) w[r] = _mm512_set1_ps(p[r * pstride + t]);
-        const float* vt = v + t * vstride + e;
-        for (int i = 0; i < NV; i++) {
-            __m512 x = _mm512_loadu_ps(vt + 16 * i);
-            for (int r = 0; r < NR; r++) c[r][i] = _mm512_fmadd_ps(w[r], x, c[r][i]);
+    for (long j = 0; j < n; j++) {
+        __m256 x[4];
+        for (int i = 0; i < nv; i++) x[i] = pool_load8(pool, bf16, v[j] + c + 8 * i);
+        for (int r = 0; r < nr; r++) {
+            const __m256 a = _mm256_broadcast_ss(p + r * ldp + j);
+            for (int i = 0; i < nv; i++) acc[r][i] = _mm256_fmadd_ps(a, x[i], acc[r][i]);
         }
     }
-    for (int r = 0; r < NR; r++)
-        for (int i = 0; i < NV; i++) _mm512_storeu_ps(acc + r * d + e + 16 * i, c[r][i]);
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < nv; i++) _mm256_storeu_ps(o + r * ldo + c + 8 * i, acc[r][i]);
 }
 
-AVX512_TARGET static void pv_rows512(float* acc, long d, const float* alpha, const float* p, long pstride,
-                                     const float* v, long vstride, long n, const int NR) {
-    long e = 0;
-    for (; e + 16 * PV_VECS <= d; e += 16 * PV_VECS) pv512(acc, d, e, alpha, p, pstride, v, vstride, n, NR, PV_VECS);
-    for (; e < d; e += 16) pv512(acc, d, e, alpha, p, pstride, v, vstride, n, NR, 1);
-}
-
-/* Row r's scores s[0..n) (scaled here) update its running max m and sum l; they become e^(s - max),
- * and alpha the factor the earlier accumulator is scaled by. 16 scores at a time. */
-AVX512_TARGET static void softmax_row512(float* sr, long n, float scale, float* m, float* l, float* alpha) {
-    __m512 top = _mm512_set1_ps(*m);
-    for (long t = 0; t < n; t += 16) {
-        __mmask16 valid = (__mmask16)(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1);
-        __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, sr + t), _mm512_set1_ps(scale));
-        _mm512_mask_storeu_ps(sr + t, valid, x);
-        top = _mm512_mask_max_ps(top, valid, top, x);
+/* One tile's scores for nr rows: the key panels two at a time (a lone last one beside the next panel's
+ * slot, whose scores land in columns never read) */
+static ALWAYS_INLINE void scores_few(const float* qp, const float* kt, long d, float* s, long n, int pairs,
+                                     const int nr) {
+    for (long pan = 0; pan * KP < n; pan += 2) {
+        if (pairs) qk_few_pairs(qp, kt + pan * KP * d / 2, d, s + pan * KP, KT, nr);
+        else qk_few(qp, kt + pan * KP * d, d, s + pan * KP, KT, nr);
     }
-    float new_max = _mm512_reduce_max_ps(top);
-    __m512 sum = _mm512_setzero_ps(), mx = _mm512_set1_ps(new_max);
-    for (long t = 0; t < n; t += 16) {
-        __mmask16 valid = (__mmask16)(n - t >= 16 ? 0xFFFF : (1u << (n - t)) - 1);
-        __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sr + t), mx)));
-        _mm512_mask_storeu_ps(sr + t, valid, e);
-        sum = _mm512_add_ps(sum, e);
-    }
-    *alpha = expf(*m - new_max);   /* 0 on the first block: m = -inf */
-    *l = *l * *alpha + _mm512_reduce_add_ps(sum);
-    *m = new_max;
 }
 
-/* n rows of a pool block (stride apart) as float32 rows d apart: widened from bfloat16 into dst, or,
- * for a float32 pool, read in place (*stride_out says which). */
-AVX512_TARGET static const float* rows_f32_bf16(const uint16_t* src, long stride, long n, long d, float* dst,
-                                                long* stride_out) {
-    for (long t = 0; t < n; t++)
-        for (long e = 0; e < d; e += 16)
-            _mm512_storeu_ps(dst + t * d + e, _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + t * stride + e))), 16)));
-    *stride_out = d;
-    return dst;
+/* One tile's O = alpha O + P V for nr rows, 32 columns at a time (v: where each key's V row starts) */
+static ALWAYS_INLINE void values_few(float* o, long d, const float* s, const void* pool, int bf16, const long* v,
+                                     long n, const float* alpha, const int nr) {
+    long c = 0;
+    for (; c + 32 <= d; c += 32) pv_few(o, d, s, KT, pool, bf16, v, c, n, alpha, nr, 4);
+    for (; c < d; c += 8) pv_few(o, d, s, KT, pool, bf16, v, c, n, alpha, nr, 1);
 }
 
-AVX512_TARGET static const float* rows_f32_f32(const float* src, long stride, long n, long d, float* dst,
-                                               long* stride_out) {
-    (void)n; (void)d; (void)dst;
-    *stride_out = stride;
-    return src;
-}
-
-/* The n rows (stride elements apart, row_bytes each) of the next block, asked of the caches while
- * this one is computed: a layer's K/V come from memory (the step's weights passed through the caches
- * since), and a head's rows lie a token row apart, a stride the hardware prefetchers follow late. */
-static inline void prefetch_rows(const char* p, long stride_bytes, long n, long row_bytes) {
-    for (long t = 0; t < n; t++)
-        for (long o = 0; o < row_bytes; o += 64) _mm_prefetch(p + t * stride_bytes + o, _MM_HINT_T0);
-}
-
-#define PAGED_DECODE512(S, T)                                                                            \
-AVX512_TARGET static void decode512##S(const float* q, const T* pool, const long* tables, const long* lens, \
-                                       long batch, long kv_heads, long rows, long head_dim, long num_blocks, \
-                                       long block_size, long table_width, float scale, float* out, float* lse, \
-                                       float* state_m, float* state_l, int carry_in, int finalize, int threads) { \
-    const long token_stride = kv_heads * head_dim;                                                       \
-    const long block_stride = block_size * token_stride;                                                 \
-    const long sstride = (block_size + 15) / 16 * 16;  /* scores: four keys per store, 16 per softmax step */ \
-    const long d = head_dim;                                                                             \
-    const T* v_pool = pool + num_blocks * block_stride;                                                  \
-    _Pragma("omp parallel num_threads(threads)")                                                         \
-    {                                                                                                    \
-        float* m = malloc(sizeof(float) * (rows * (3 + sstride) + 2 * block_size * d));                  \
-        float* l = m + rows;                                                                             \
-        float* alpha = l + rows;                                                                         \
-        float* s = alpha + rows;                                                                         \
-        float* kbuf = s + rows * sstride;                                                                \
-        float* vbuf = kbuf + block_size * d;                                                             \
-        _Pragma("omp for schedule(static)")                                                              \
-        for (long task = 0; task < batch * kv_heads; task++) {                                           \
-            long b = task / kv_heads, h = task % kv_heads;                                               \
-            const float* qb = q + task * rows * d;                                                       \
-            float* acc = out + task * rows * d;                                                          \
-            start_rows(acc, m, l, state_m + task * rows, state_l + task * rows, rows, d, carry_in);      \
-            long len = lens[b];                                                                          \
-            for (long j = 0; j * block_size < len; j++) {                                                \
-                long n = len - j * block_size < block_size ? len - j * block_size : block_size;          \
-                long blk = tables[b * table_width + j];                                                  \
-                if ((j + 1) * block_size < len) {                                                        \
-                    long next = tables[b * table_width + j + 1];                                         \
-                    long nn = len - (j + 1) * block_size < block_size ? len - (j + 1) * block_size : block_size; \
-                    prefetch_rows((const char*)(pool + next * block_stride + h * d), token_stride * sizeof(T), nn, \
-                                  d * sizeof(T));                                                        \
-                    prefetch_rows((const char*)(v_pool + next * block_stride + h * d), token_stride * sizeof(T), nn, \
-                                  d * sizeof(T));                                                        \
-                }                                                                                        \
-                long kstride, vstride;                                                                   \
-                const float* kb = rows_f32##S(pool + blk * block_stride + h * d, token_stride, n, d, kbuf, &kstride); \
-                const float* vb = rows_f32##S(v_pool + blk * block_stride + h * d, token_stride, n, d, vbuf, &vstride); \
-                for (long t = 0; t < n; t += 4) {                                                        \
-                    const float* k[4];                                                                   \
-                    /* past the block's end the last key stands in: its scores land in unread slots */  \
-                    for (int i = 0; i < 4; i++) k[i] = kb + (t + i < n ? t + i : n - 1) * kstride;       \
-                    long r = 0;                                                                          \
-                    for (; r + QK_ROWS <= rows; r += QK_ROWS) qk512(qb + r * d, d, k, s + r * sstride + t, sstride, QK_ROWS); \
-                    switch (rows - r) {                                                                  \
-                        case 5: qk512(qb + r * d, d, k, s + r * sstride + t, sstride, 5); break;         \
-                        case 4: qk512(qb + r * d, d, k, s + r * sstride + t, sstride, 4); break;         \
-                        case 3: qk512(qb + r * d, d, k, s + r * sstride + t, sstride, 3); break;         \
-                        case 2: qk512(qb + r * d, d, k, s + r * sstride + t, sstride, 2); break;         \
-                        case 1: qk512(qb + r * d, d, k, s + r * sstride + t, sstride, 1); break;         \
-                        default: break;                                                                  \
-                    }                                                                                    \
-                }                                                                                        \
-                for (long r = 0; r < rows; r++) softmax_row512(s + r * sstride, n, scale, m + r, l + r, alpha + r); \
-                long r = 0;                                                                              \
-                for (; r + PV_ROWS <= rows; r += PV_ROWS)                                                \
-                    pv_rows512(acc + r * d, d, alpha + r, s + r * sstride, sstride, vb, vstride, n, PV_ROWS); \
-                if (rows - r == 2) pv_rows512(acc + r * d, d, alpha + r, s + r * sstride, sstride, vb, vstride, n, 2); \
-                else if (rows - r == 1) pv_rows512(acc + r * d, d, alpha + r, s + r * sstride, sstride, vb, vstride, n, 1); \
-            }                                                                                            \
-            end_rows(acc, m, l, lse + task * rows, state_m + task * rows, state_l + task * rows, rows, d, finalize); \
-        }                                                                                                \
-        free(m);                                                                                         \
-    }                                                                                                    \
-}
-
-PAGED_DECODE512(_f32, float)
-PAGED_DECODE512(_bf16, uint16_t)
-
-/* avx512: the caller has checked that the CPU runs AVX-512 and head_dim % 16 == 0. */
 void paged_decode_attention(const float* q, const void* pool, int pool_bf16, const long* tables, const long* lens,
                             long batch, long kv_heads, long rows, long head_dim, long num_blocks,
                             long block_size, long table_width, float scale, float* out, float* lse,
-                            float* state_m, float* state_l, int carry_in, int finalize, int avx512,
-                            int threads) {
-#define DECODE_ARGS tables, lens, batch, kv_heads, rows, head_dim, num_blocks, block_size, table_width, scale, \
-                    out, lse, state_m, state_l, carry_in, finalize, threads
-    if (avx512 && pool_bf16) decode512_bf16(q, pool, DECODE_ARGS);
-    else if (avx512) decode512_f32(q, pool, DECODE_ARGS);
-    else if (pool_bf16) decode_bf16(q, pool, DECODE_ARGS);
-    else decode_f32(q, pool, DECODE_ARGS);
-#undef DECODE_ARGS
+                            float* state_m, float* state_l, int carry_in, int finalize, int body, int threads) {
+    const long d = head_dim;
+    const int avx512 = body >= 1, key_words = body == 2 && pool_bf16 && d % 16 == 0;
+    const long token_stride = kv_heads * d;
+    const long block_stride = block_size * token_stride;
+    const long v_offset = num_blocks * block_stride;          /* the V pool follows the K pool */
+    const long panels = (rows + MR - 1) / MR, padded = panels * MR;
+    const float qscale = scale * 1.44269504088896341f;       /* scores in base 2, as in prefill */
+    const __m256 qs = _mm256_set1_ps(qscale);
+    /* a few rows (one sequence's G heads) read each V row in place, once: no V slabs to fill */
+    const int few = rows <= FEW_ROWS;
+    /* and keep a bfloat16 pool's keys as word pairs (the float32 queries and products unchanged) */
+    const int few_pairs = few && !key_words && pool_bf16 && d % 16 == 0;
+    const long pstride = key_words || few_pairs ? KP * d / 2 : KP * d;     /* floats between K panels */
+
+    #pragma omp parallel num_threads(threads)
+    {
+        /* Q panels (+ 8 floats the last 8-wide store of a 6-row panel spills), O, S, max, sum, alpha,
+         * a tile's K panels and V slabs */
+        float* qp = malloc(sizeof(float) * (padded * d + 8 + padded * d + padded * KT + 3 * padded + 2 * KT * d));
+        float* o = qp + padded * d + 8;
+        float* s = o + padded * d;
+        float* m = s + padded * KT;
+        float* l = m + padded;
+        float* alpha = l + padded;
+        float* kt = alpha + padded;
+        float* vr = kt + KT * d;
+        unsigned* qw = key_words ? malloc(sizeof(unsigned) * padded * d / 2) : NULL;
+        memset(kt, 0, sizeof(float) * KT * d);     /* the slot beside a lone last panel is read, never used */
+        long vis[(padded + MR - 1) / MR], at[KT], vrow[KT];
+
+        #pragma omp for schedule(static)
+        for (long task = 0; task < batch * kv_heads; task++) {
+            const long b = task / kv_heads, h = task % kv_heads, len = lens[b];
+            const float* qb = q + task * rows * d;
+            for (long p = 0; p < panels; p++) {
+                const float* src[MR];
+                for (long r = 0; r < MR; r++) src[r] = p * MR + r < rows ? qb + (p * MR + r) * d : NULL;
+                if (key_words)
+                    pack_queries_bf16(src, d, qw + p * MR * (d / 2));
+                else
+                    for (long e = 0; e < d; e += 8) gather_transposed(src, MR, e, qs, qp + p * MR * d + e * MR, MR);
+            }
+            start_rows(o, m, l, out + task * rows * d, state_m + task * rows, state_l + task * rows, rows, padded, d,
+                       carry_in);
+
+            for (long k0 = 0; k0 < len; k0 += KT) {
+                const long n = len - k0 < KT ? len - k0 : KT;
+                /* where the tile's K rows start in the pool, -1 past the context */
+                for (long j = 0; j < round_up(n, KP); j++)
+                    at[j] = k0 + j < len
+                        ? (tables[b * table_width + (k0 + j) / block_size] * block_size + (k0 + j) % block_size)
+                          * token_stride + h * d
+                        : -1;
+                for (long pan = 0; pan * KP < n; pan++) {
+                    if (few)
+                        pack_panel_keys(pool, pool_bf16, key_words || few_pairs, at + pan * KP, d, kt + pan * pstride);
+                    else
+                        pack_panel(pool, pool_bf16, key_words, at + pan * KP, v_offset, d, kt + pan * pstride, vr, KT,
+                                   pan * KP);
+                }
+                /* every row of a decode task sits after all of the tile's keys */
+                for (long p = 0; p < panels; p++) vis[p] = n;
+                if (key_words) scores512_bf16(qw, kt, d, s, vis, panels, qscale);
+                else if (rows == 1) scores_few(qp, kt, d, s, n, few_pairs, 1);
+                else if (rows == 2) scores_few(qp, kt, d, s, n, few_pairs, 2);
+                else if (rows == 3) scores_few(qp, kt, d, s, n, few_pairs, 3);
+                else (avx512 ? scores512 : scores)(qp, kt, d, s, vis, panels);
+                for (long r = 0; r < padded; r++) alpha[r] = softmax_row(s + r * KT, n, round_up(n, 8), m + r, l + r);
+                for (long j = 0; few && j < n; j++) vrow[j] = at[j] + v_offset;
+                if (rows == 1) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, 1);
+                else if (rows == 2) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, 2);
+                else if (rows == 3) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, 3);
+                else (avx512 ? values512 : values)(o, d, s, vr, KT, 0, vis, alpha, panels);
+            }
+            end_rows(o, m, l, out + task * rows * d, lse + task * rows, state_m + task * rows, state_l + task * rows,
+                     rows, d, finalize);
+        }
+        free(qw);
+        free(qp);
+    }
 }

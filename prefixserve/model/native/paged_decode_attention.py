@@ -2,7 +2,8 @@
 
 Used by the torch backend's decode path (`model/attention/torch_paged.py`) for float32 and
 bfloat16 pools on AVX2 CPUs: the gather-then-attend path reads K/V three times (and widens a
-bfloat16 copy), this kernel once, in the pool's own dtype, with float32 math.
+bfloat16 copy), this kernel once, in the pool's own dtype, with float32 math. It runs the prefill
+kernel's tiles on the same body, so a token gets the same bits from either kernel.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 from prefixserve.model.native.build import load_default, load_kernel
+from prefixserve.model.native.isa import BODY_CODES, ISAS, best_isa
 
 
 @dataclass
@@ -31,19 +33,26 @@ class PagedDecodeAttention:
     """`__call__(q, kv_cache, tables, lens, scale)` -> (out [B, KVH, R, D], lse [B, KVH, R]);
     `partial(...)` -> the DecodeState a later `__call__(..., carry=state)` finishes."""
 
-    def __init__(self, library: ctypes.CDLL, avx512: bool | None = None) -> None:
+    def __init__(self, library: ctypes.CDLL, body: str | None = None) -> None:
         self._fn = library.paged_decode_attention
         self._fn.restype = None
         self._fn.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
                              + [ctypes.c_long] * 7 + [ctypes.c_float]
                              + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4)
+        tile_keys = library.paged_attention_tile_keys
+        tile_keys.restype = ctypes.c_long
+        # a carried state gives one pass's bits only where it stops at a softmax tile's edge
+        self.tile_keys = int(tile_keys())
         self._library = library
-        # the AVX-512 body, where the CPU runs it (torch asks the CPU and the OS)
-        self.avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512" if avx512 is None else avx512
+        # the prefill kernel's tiles on the same body (the same bits for the same token): the widest the
+        # CPU runs, a bfloat16 pool's keys in bfloat16 pairs where it has avx512_bf16
+        self.body = best_isa() if body is None else body
+        if self.body not in ISAS:
+            raise ValueError(f"unknown body {self.body!r}; one of {ISAS}")
 
-    def with_avx512(self, avx512: bool) -> "PagedDecodeAttention":
-        """The same library through the other body (tests compare them; the caller checks the CPU)."""
-        return PagedDecodeAttention(self._library, avx512)
+    def with_body(self, body: str) -> "PagedDecodeAttention":
+        """The same library through other tiles (tests compare them; the caller checks the CPU)."""
+        return PagedDecodeAttention(self._library, body)
 
     @staticmethod
     def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -61,7 +70,11 @@ class PagedDecodeAttention:
 
     def partial(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                 scale: float) -> DecodeState:
-        """The online softmax over the blocks of `tables`, left unfinished for a later call to carry on."""
+        """The online softmax over the blocks of `tables`, left unfinished for a later call to carry on.
+        Every length must be a whole number of softmax tiles (`tile_keys`): the call carrying on starts
+        a tile where one pass over the whole context starts one, so the two give the same bits."""
+        if bool((lens % self.tile_keys).any()):
+            raise ValueError(f"a partial pass must cover whole tiles of {self.tile_keys} keys")
         return self._run(q, kv_cache, tables, lens, scale, None, finalize=False)[0]
 
     def _run(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float,
@@ -93,19 +106,22 @@ class PagedDecodeAttention:
         self._fn(q.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), tables.data_ptr(),
                  lens.data_ptr(), batch, kv_heads, rows, head_dim, num_blocks, block_size, tables.shape[1], scale,
                  acc.data_ptr(), lse.data_ptr(), m.data_ptr(), l.data_ptr(), int(carry is not None), int(finalize),
-                 int(self.avx512 and head_dim % 16 == 0), torch.get_num_threads())
+                 BODY_CODES[self.body], torch.get_num_threads())
         return DecodeState(acc, m, l), lse
 
 
 def _agrees_with_torch(kernel: PagedDecodeAttention) -> bool:
-    """A probe against plain matmuls, on a float32 pool and on the same values held in bfloat16."""
+    """A probe against plain matmuls, on a float32 pool and on the same values held in bfloat16 (head
+    dim 32: the dot-product body serves whole 16-element rows; queries of bfloat16 values, as a
+    bfloat16 model's are)."""
     gen = torch.Generator().manual_seed(0)
-    pool = torch.randn(2, 5, 4, 2, 16, generator=gen).bfloat16().float()
-    q = torch.randn(1, 2, 3, 16, generator=gen)
+    pool = torch.randn(2, 5, 4, 2, 32, generator=gen).bfloat16().float()
+    q = torch.randn(1, 2, 3, 32, generator=gen).bfloat16().float()
     tables, lens = torch.tensor([[3, 0, 4]]), torch.tensor([10])
     out, lse = kernel(q, pool, tables, lens, 0.25)
     half_out, half_lse = kernel(q, pool.bfloat16(), tables, lens, 0.25)
-    if not (torch.equal(half_out, out) and torch.equal(half_lse, lse)):
+    # within a rounding: the dot-product body sums the products in another order
+    if not (torch.allclose(half_out, out, rtol=2 ** -7, atol=1e-5) and torch.allclose(half_lse, lse, atol=1e-3)):
         return False
     keys = pool[0][tables[0]].flatten(0, 1)[:10].transpose(0, 1)[None]
     values = pool[1][tables[0]].flatten(0, 1)[:10].transpose(0, 1)[None]

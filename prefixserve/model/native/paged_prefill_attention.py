@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from prefixserve.model.native.build import load_default, load_kernel
-from prefixserve.model.native.isa import AVX2, AVX512, AVX512_BF16, ISAS, best_isa
+from prefixserve.model.native.isa import BODY_CODES, ISAS, best_isa
 
 
 class PagedPrefillAttention:
@@ -103,14 +103,12 @@ class PagedPrefillAttention:
             raise ValueError(f"scratch must give {need} contiguous float32 elements")
         self._fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), int(bf16), tables.data_ptr(), seq_lens.data_ptr(),
                  query_start_loc.data_ptr(), batch, heads, kv_heads, head_dim, num_blocks, block_size,
-                 tables.shape[1], min_query_len, scale, result.data_ptr(), work.data_ptr(), _BODY_CODES[self.body],
+                 tables.shape[1], min_query_len, scale, result.data_ptr(), work.data_ptr(), BODY_CODES[self.body],
                  torch.get_num_threads())
         if bf16:
             out.copy_(result)
         return out
 
-
-_BODY_CODES = {AVX2: 0, AVX512: 1, AVX512_BF16: 2}
 
 _ERRORS = {-1: "query_start_loc must rise within the rows of q",
            -2: "a sequence has more queries than positions",

@@ -1,0 +1,421 @@
+/* The tiles both attention kernels are built from: Q K^T over packed 16-key panels, the online softmax
+ * of a 64-key tile in base 2, and O = alpha O + P V over 16-column V slabs, in AVX2 (8 lanes), AVX-512
+ * (16 lanes, the same bits) and, for a bfloat16 pool's keys, vdpbf16ps word pairs.
+ *
+ * One set of tiles for prefill and decode is what makes a token's attention output the same bits
+ * whichever kernel computes it: with prefix caching a prompt's last uncached token may run alone
+ * (decode) where without caching it ran in a chunk (prefill), and a later turn's prompt reuses K/V
+ * that decode steps wrote. A query row's result depends only on its scaled query, its keys and
+ * values, and where the 64-key softmax tiles start (key 0 of the sequence, and every KT keys on):
+ * each score lane is one chain of fused multiply-adds over the head dimension, each tile updates
+ * the running max and sum the same way, each output lane one chain over the tile's keys.
+ */
+#ifndef PREFIXSERVE_ATTENTION_TILES_H
+#define PREFIXSERVE_ATTENTION_TILES_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define MR 6            /* rows of a register tile */
+#define KP 16           /* keys of a packed K panel = columns of a register tile */
+#define KT 64           /* keys per softmax tile (a multiple of KP); 96 and 128 measured the same */
+
+static long round_up(long x, long m) { return (x + m - 1) / m * m; }
+
+/* 2^x for x <= 0, relative error ~2e-7; inputs below -125 give ~2^-125 (callers mask what must be 0). */
+static inline __m256 exp2_ps(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-125.0f));
+    __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(x, n);                       /* [-0.5, 0.5] */
+    __m256 p = _mm256_set1_ps(EXP2_C5);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C1));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C0));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* lanes j with base + j < limit */
+static inline __m256 lanes_below(long base, long limit) {
+    __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)base), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)limit), idx));
+}
+
+/* s[r, 0..16) = sum_d qp[d, r] * kp[d, 0..16) for r < 6: qp is a [D][6] row panel, kp a [D][16] key panel */
+static inline void tile_qk(const float* qp, const float* kp, long d, float* s, long lds) {
+    __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
+    __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
+    __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+    for (long i = 0; i < d; i++, qp += MR, kp += KP) {
+        __m256 k0 = _mm256_loadu_ps(kp), k1 = _mm256_loadu_ps(kp + 8), a;
+        a = _mm256_broadcast_ss(qp + 0); c00 = _mm256_fmadd_ps(a, k0, c00); c01 = _mm256_fmadd_ps(a, k1, c01);
+        a = _mm256_broadcast_ss(qp + 1); c10 = _mm256_fmadd_ps(a, k0, c10); c11 = _mm256_fmadd_ps(a, k1, c11);
+        a = _mm256_broadcast_ss(qp + 2); c20 = _mm256_fmadd_ps(a, k0, c20); c21 = _mm256_fmadd_ps(a, k1, c21);
+        a = _mm256_broadcast_ss(qp + 3); c30 = _mm256_fmadd_ps(a, k0, c30); c31 = _mm256_fmadd_ps(a, k1, c31);
+        a = _mm256_broadcast_ss(qp + 4); c40 = _mm256_fmadd_ps(a, k0, c40); c41 = _mm256_fmadd_ps(a, k1, c41);
+        a = _mm256_broadcast_ss(qp + 5); c50 = _mm256_fmadd_ps(a, k0, c50); c51 = _mm256_fmadd_ps(a, k1, c51);
+    }
+    _mm256_storeu_ps(s + 0 * lds, c00); _mm256_storeu_ps(s + 0 * lds + 8, c01);
+    _mm256_storeu_ps(s + 1 * lds, c10); _mm256_storeu_ps(s + 1 * lds + 8, c11);
+    _mm256_storeu_ps(s + 2 * lds, c20); _mm256_storeu_ps(s + 2 * lds + 8, c21);
+    _mm256_storeu_ps(s + 3 * lds, c30); _mm256_storeu_ps(s + 3 * lds + 8, c31);
+    _mm256_storeu_ps(s + 4 * lds, c40); _mm256_storeu_ps(s + 4 * lds + 8, c41);
+    _mm256_storeu_ps(s + 5 * lds, c50); _mm256_storeu_ps(s + 5 * lds + 8, c51);
+}
+
+/* o[r, 0..16) = alpha[r] * o[r, 0..16) + sum_{j<n} p[r, j] * v[j, 0..16) for r < 6 (named registers:
+ * gcc spills an accumulator array to the stack on every step) */
+static inline void tile_pv16(float* o, long ldo, const float* p, long ldp, const float* v, long ldv, long n,
+                             const float* alpha) {
+    __m256 a;
+    a = _mm256_broadcast_ss(alpha + 0);
+    __m256 c00 = _mm256_mul_ps(a, _mm256_loadu_ps(o + 0 * ldo)), c01 = _mm256_mul_ps(a, _mm256_loadu_ps(o + 0 * ldo + 8));
+    a = _mm256_broadcast_ss(alpha + 1);
+    __m256 c10 = _mm256_mul_ps(a, _mm256_loadu_ps(o + 1 * ldo)), c11 = _mm256_mul_ps(a, _mm256_loadu_ps(o + 1 * ldo + 8));
+    a = _mm256_broadcast_ss(alpha + 2);
+    __m256 c20 = _mm256_mul_ps(a, _mm256_loadu_ps(o + 2 * ldo)), c21 = _mm256_mul_ps(a, _mm256_loadu_ps(o + 2 * ldo + 8));
+    a = _mm256_broadcast_ss(alpha + 3);
+    __m256 c30 = _mm256_mul_ps(a, _mm256_loadu_ps(o + 3 * ldo)), c31 = _mm256_mul_ps(a, _mm256_loadu_ps(o + 3 * ldo + 8));
+    a = _mm256_broadcast_ss(alpha + 4);
+    __m256 c40 = _mm256_mul_ps(a, _mm256_loadu_ps(o + 4 * ldo)), c41 = _mm256_mul_ps(a, _mm256_loadu_ps(o + 4 * ldo + 8));
+    a = _mm256_broadcast_ss(alpha + 5);
+    __m256 c50 = _mm256_mul_ps(a, _mm256_loadu_ps(o + 5 * ldo)), c51 = _mm256_mul_ps(a, _mm256_loadu_ps(o + 5 * ldo + 8));
+    const float *p0 = p, *p1 = p + ldp, *p2 = p + 2 * ldp, *p3 = p + 3 * ldp, *p4 = p + 4 * ldp, *p5 = p + 5 * ldp;
+    for (long j = 0; j < n; j++, v += ldv) {
+        __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+        a = _mm256_broadcast_ss(p0 + j); c00 = _mm256_fmadd_ps(a, v0, c00); c01 = _mm256_fmadd_ps(a, v1, c01);
+        a = _mm256_broadcast_ss(p1 + j); c10 = _mm256_fmadd_ps(a, v0, c10); c11 = _mm256_fmadd_ps(a, v1, c11);
+        a = _mm256_broadcast_ss(p2 + j); c20 = _mm256_fmadd_ps(a, v0, c20); c21 = _mm256_fmadd_ps(a, v1, c21);
+        a = _mm256_broadcast_ss(p3 + j); c30 = _mm256_fmadd_ps(a, v0, c30); c31 = _mm256_fmadd_ps(a, v1, c31);
+        a = _mm256_broadcast_ss(p4 + j); c40 = _mm256_fmadd_ps(a, v0, c40); c41 = _mm256_fmadd_ps(a, v1, c41);
+        a = _mm256_broadcast_ss(p5 + j); c50 = _mm256_fmadd_ps(a, v0, c50); c51 = _mm256_fmadd_ps(a, v1, c51);
+    }
+    _mm256_storeu_ps(o + 0 * ldo, c00); _mm256_storeu_ps(o + 0 * ldo + 8, c01);
+    _mm256_storeu_ps(o + 1 * ldo, c10); _mm256_storeu_ps(o + 1 * ldo + 8, c11);
+    _mm256_storeu_ps(o + 2 * ldo, c20); _mm256_storeu_ps(o + 2 * ldo + 8, c21);
+    _mm256_storeu_ps(o + 3 * ldo, c30); _mm256_storeu_ps(o + 3 * ldo + 8, c31);
+    _mm256_storeu_ps(o + 4 * ldo, c40); _mm256_storeu_ps(o + 4 * ldo + 8, c41);
+    _mm256_storeu_ps(o + 5 * ldo, c50); _mm256_storeu_ps(o + 5 * ldo + 8, c51);
+}
+
+/* the same over 8 columns, for the last columns when D % 16 == 8 */
+static inline void tile_pv8(float* o, long ldo, const float* p, long ldp, const float* v, long ldv, long n,
+                            const float* alpha) {
+    __m256 c0 = _mm256_mul_ps(_mm256_broadcast_ss(alpha + 0), _mm256_loadu_ps(o + 0 * ldo));
+    __m256 c1 = _mm256_mul_ps(_mm256_broadcast_ss(alpha + 1), _mm256_loadu_ps(o + 1 * ldo));
+    __m256 c2 = _mm256_mul_ps(_mm256_broadcast_ss(alpha + 2), _mm256_loadu_ps(o + 2 * ldo));
+    __m256 c3 = _mm256_mul_ps(_mm256_broadcast_ss(alpha + 3), _mm256_loadu_ps(o + 3 * ldo));
+    __m256 c4 = _mm256_mul_ps(_mm256_broadcast_ss(alpha + 4), _mm256_loadu_ps(o + 4 * ldo));
+    __m256 c5 = _mm256_mul_ps(_mm256_broadcast_ss(alpha + 5), _mm256_loadu_ps(o + 5 * ldo));
+    for (long j = 0; j < n; j++, v += ldv) {
+        __m256 v0 = _mm256_loadu_ps(v);
+        c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + 0 * ldp + j), v0, c0);
+        c1 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + 1 * ldp + j), v0, c1);
+        c2 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + 2 * ldp + j), v0, c2);
+        c3 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + 3 * ldp + j), v0, c3);
+        c4 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + 4 * ldp + j), v0, c4);
+        c5 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + 5 * ldp + j), v0, c5);
+    }
+    _mm256_storeu_ps(o + 0 * ldo, c0); _mm256_storeu_ps(o + 1 * ldo, c1); _mm256_storeu_ps(o + 2 * ldo, c2);
+    _mm256_storeu_ps(o + 3 * ldo, c3); _mm256_storeu_ps(o + 4 * ldo, c4); _mm256_storeu_ps(o + 5 * ldo, c5);
+}
+
+/* The AVX-512 tiles, for CPUs that run them: the same products as tile_qk / tile_pv16 over twice the
+ * keys (two 16-key panels) or columns (two 16-column V slabs) per register tile, 12 accumulators of 16
+ * lanes. Every lane goes through the same fused multiply-adds in the same order as in the AVX2 tiles,
+ * so both bodies give the same bits (tests hold them to it), and chunking still changes nothing. */
+
+/* s[r, 0..16 np) = sum_d qp[d, r] * panel_i[d, 0..16) for r < 6 over np = 1 or 2 consecutive K panels */
+AVX512_TARGET static ALWAYS_INLINE void tile_qk512(const float* qp, const float* kp, long d, float* s, long lds,
+                                                  const int np) {
+    __m512 c[MR][2];
+    for (int r = 0; r < MR; r++) c[r][0] = c[r][1] = _mm512_setzero_ps();
+    const float* kp1 = kp + KP * d;
+    for (long i = 0; i < d; i++, qp += MR) {
+        __m512 k0 = _mm512_loadu_ps(kp + i * KP), k1 = np == 2 ? _mm512_loadu_ps(kp1 + i * KP) : k0;
+        for (int r = 0; r < MR; r++) {
+            __m512 a = _mm512_set1_ps(qp[r]);
+            c[r][0] = _mm512_fmadd_ps(a, k0, c[r][0]);
+            if (np == 2) c[r][1] = _mm512_fmadd_ps(a, k1, c[r][1]);
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        _mm512_storeu_ps(s + r * lds, c[r][0]);
+        if (np == 2) _mm512_storeu_ps(s + r * lds + KP, c[r][1]);
+    }
+}
+
+/* o[r, 0..16 ns) = alpha[r] * o[r, ..] + sum_{j<n} p[r, j] * slab_i[j, 0..16) for r < 6 over ns = 1 or 2
+ * V slabs (16 floats a key) */
+AVX512_TARGET static ALWAYS_INLINE void tile_pv512(float* o, long ldo, const float* p, long ldp, const float* v0,
+                                                  const float* v1, long n, const float* alpha, const int ns) {
+    __m512 c[MR][2];
+    for (int r = 0; r < MR; r++) {
+        __m512 a = _mm512_set1_ps(alpha[r]);
+        c[r][0] = _mm512_mul_ps(a, _mm512_loadu_ps(o + r * ldo));
+        c[r][1] = ns == 2 ? _mm512_mul_ps(a, _mm512_loadu_ps(o + r * ldo + 16)) : c[r][0];
+    }
+    for (long j = 0; j < n; j++) {
+        __m512 x0 = _mm512_loadu_ps(v0 + j * 16), x1 = ns == 2 ? _mm512_loadu_ps(v1 + j * 16) : x0;
+        for (int r = 0; r < MR; r++) {
+            __m512 a = _mm512_set1_ps(p[r * ldp + j]);
+            c[r][0] = _mm512_fmadd_ps(a, x0, c[r][0]);
+            if (ns == 2) c[r][1] = _mm512_fmadd_ps(a, x1, c[r][1]);
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        _mm512_storeu_ps(o + r * ldo, c[r][0]);
+        if (ns == 2) _mm512_storeu_ps(o + r * ldo + 16, c[r][1]);
+    }
+}
+
+/* One row of a tile: scores s[0..valid) (log2 domain) update the running max m and sum l, become
+ * probabilities, and s[valid..cols) become 0; returns the factor the row's output must be scaled by. */
+static inline float softmax_row(float* s, long valid, long cols, float* m, float* l) {
+    if (valid <= 0) {
+        for (long j = 0; j < cols; j += 8) _mm256_storeu_ps(s + j, _mm256_setzero_ps());
+        return 1.0f;
+    }
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    long j = 0;
+    for (; j + 8 <= valid; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + j));
+    if (j < valid)
+        top = _mm256_max_ps(top, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + j),
+                                                  lanes_below(j, valid)));
+    float m_new = hmax(top);
+    if (*m > m_new) m_new = *m;
+    float alpha = exp2f(*m - m_new);                       /* 0 on a row's first tile (m = -inf) */
+    __m256 mx = _mm256_set1_ps(m_new), sum = _mm256_setzero_ps();
+    for (j = 0; j < cols; j += 8) {
+        __m256 e = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mx));
+        if (j + 8 > valid) e = _mm256_and_ps(e, lanes_below(j, valid));
+        sum = _mm256_add_ps(sum, e);
+        _mm256_storeu_ps(s + j, e);
+    }
+    *l = *l * alpha + hsum(sum);
+    *m = m_new;
+    return alpha;
+}
+
+/* r[i][j] <- r[j][i] for an 8 x 8 block held in registers */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    /* u_i: column i of rows 0-3 in the low lane, column i + 4 in the high lane; w_i the same for rows 4-7 */
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 w0 = _mm256_shuffle_ps(t4, t6, 0x44), w1 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 w2 = _mm256_shuffle_ps(t5, t7, 0x44), w3 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, w0, 0x20); r[1] = _mm256_permute2f128_ps(u1, w1, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, w2, 0x20); r[3] = _mm256_permute2f128_ps(u3, w3, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, w0, 0x31); r[5] = _mm256_permute2f128_ps(u1, w1, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, w2, 0x31); r[7] = _mm256_permute2f128_ps(u3, w3, 0x31);
+}
+
+/* floats col..col+8 of n <= 8 rows (NULL: zeros, as are rows n..8) transposed into dst[i * ldd + 0..8) */
+static inline void gather_transposed(const float* const* rows, int n, long col, __m256 scale, float* dst, long ldd) {
+    __m256 r[8];
+    for (int i = 0; i < 8; i++)
+        r[i] = i < n && rows[i] ? _mm256_mul_ps(scale, _mm256_loadu_ps(rows[i] + col)) : _mm256_setzero_ps();
+    transpose8(r);
+    /* in order: with ldd < 8 (a 6-row Q panel) each store overwrites the zeros the previous one left */
+    for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + i * ldd, r[i]);
+}
+
+/* 8 pool elements from element `at` on, widened to float: the pool holds float32 or, with bf16 set,
+ * bfloat16 (whose bits are a float's upper half); everything after packing is float32 either way */
+static inline __m256 pool_load8(const void* pool, int bf16, long at) {
+    if (bf16) {
+        __m128i h = _mm_loadu_si128((const __m128i*)((const unsigned short*)pool + at));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float*)pool + at);
+}
+
+/* elements col..col+8 of the 8 pool rows starting at elements at[0..8) (negative: zeros) transposed
+ * into dst[i * ldd + 0..8) */
+static inline void gather_transposed_pool(const void* pool, int bf16, const long* at, long col, float* dst,
+                                          long ldd) {
+    __m256 r[8];
+    for (int i = 0; i < 8; i++) r[i] = at[i] >= 0 ? pool_load8(pool, bf16, at[i] + col) : _mm256_setzero_ps();
+    transpose8(r);
+    for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + i * ldd, r[i]);
+}
+
+/* The bfloat16 dot-product body (a bfloat16 pool, CPUs with avx512_bf16): keys stay bfloat16, packed
+ * as pairs of neighbouring dimensions, one 32-bit word a pair ([D/2][16] words a panel: half the bytes
+ * of a widened panel, and no widening), and S = Q K^T runs on vdpbf16ps, each lane summing the exact
+ * products of two dimensions into float32. Queries arrive widened from bfloat16, so their pairs are
+ * exact too; the scores are scaled after the products instead of the queries before. Everything past
+ * the scores (softmax, P V) is the float32 path's: rounding the probabilities to bfloat16 for P V
+ * (1.25-1.35x faster again) moved a greedy token when a preempted sequence recomputed, in a prefill, the
+ * K/V its decode steps had made. Head dims of whole 16-element rows (every model's) take it. */
+
+/* The 16 K rows of a panel (at[j]: where key j's row starts, negative past the sequence) as word pairs,
+ * transposed into kt [D/2][16]: the 8 x 8 float transpose moves 32-bit words, here pairs of bfloat16 */
+static void pack_keys_bf16(const void* pool, const long* at, long d, float* kt) {
+    const unsigned short* pk = (const unsigned short*)pool;
+    for (long e = 0; e < d; e += 16)
+        for (int half = 0; half < 2; half++) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++) {
+                const long row = at[half * 8 + i];
+                r[i] = row >= 0 ? _mm256_loadu_ps((const float*)(pk + row + e)) : _mm256_setzero_ps();
+            }
+            transpose8(r);
+            for (int w = 0; w < 8; w++) _mm256_storeu_ps(kt + (e / 2 + w) * KP + half * 8, r[w]);
+        }
+}
+
+/* Word i of query row r holds its dimensions 2i (low half) and 2i + 1 (high half): the top halves of
+ * the float32 values, which are bfloat16 values widened. Rows without a source are zeros. */
+static void pack_queries_bf16(const float* const* rows, long d, unsigned* qw) {
+    for (long i = 0; i < d / 2; i++)
+        for (int r = 0; r < MR; r++) {
+            unsigned lo = 0, hi = 0;
+            if (rows[r]) {
+                memcpy(&lo, rows[r] + 2 * i, 4);
+                memcpy(&hi, rows[r] + 2 * i + 1, 4);
+            }
+            qw[i * MR + r] = (hi & 0xFFFF0000u) | (lo >> 16);
+        }
+}
+
+/* s[r, 0..16 np) = qscale * sum_i qw[i, r] . panel_j[i, 0..16) over np = 1 or 2 consecutive word panels */
+AVX512_BF16_TARGET static ALWAYS_INLINE void tile_qk512_bf16(const unsigned* qw, const float* kp, long d, float* s,
+                                                            long lds, __m512 qscale, const int np) {
+    __m512 c[MR][2];
+    for (int r = 0; r < MR; r++) c[r][0] = c[r][1] = _mm512_setzero_ps();
+    const float* kp1 = kp + KP * d / 2;
+    for (long i = 0; i < d / 2; i++, qw += MR) {
+        __m512bh k0 = (__m512bh)_mm512_loadu_ps(kp + i * KP);
+        __m512bh k1 = np == 2 ? (__m512bh)_mm512_loadu_ps(kp1 + i * KP) : k0;
+        for (int r = 0; r < MR; r++) {
+            __m512bh a = (__m512bh)_mm512_set1_epi32((int)qw[r]);
+            c[r][0] = _mm512_dpbf16_ps(c[r][0], a, k0);
+            if (np == 2) c[r][1] = _mm512_dpbf16_ps(c[r][1], a, k1);
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        _mm512_storeu_ps(s + r * lds, _mm512_mul_ps(qscale, c[r][0]));
+        if (np == 2) _mm512_storeu_ps(s + r * lds + KP, _mm512_mul_ps(qscale, c[r][1]));
+    }
+}
+
+AVX512_BF16_TARGET static void scores512_bf16(const unsigned* qw, const float* kt, long d, float* s, const long* vis,
+                                              long panels, float qscale) {
+    const __m512 qs = _mm512_set1_ps(qscale);
+    for (long kk = 0; kk * KP < KT; kk += 2)
+        for (long p = 0; p < panels; p++) {
+            float* sp = s + p * MR * KT + kk * KP;
+            const unsigned* q = qw + p * MR * (d / 2);
+            if (vis[p] > (kk + 1) * KP) tile_qk512_bf16(q, kt + kk * KP * d / 2, d, sp, KT, qs, 2);
+            else if (vis[p] > kk * KP) tile_qk512_bf16(q, kt + kk * KP * d / 2, d, sp, KT, qs, 1);
+        }
+}
+
+/* The K rows of a panel of 16 keys out of the pool (at[j]: the element where key j's row starts, negative
+ * past the sequence) into the transposed panel kt [D][16] (with key_words, bfloat16 word pairs [D/2][16]). */
+static void pack_panel_keys(const void* pool, int bf16, int key_words, const long* at, long d, float* kt) {
+    if (key_words)
+        pack_keys_bf16(pool, at, d, kt);
+    else
+        for (long e = 0; e < d; e += 8) {
+            gather_transposed_pool(pool, bf16, at, e, kt + e * KP, KP);
+            gather_transposed_pool(pool, bf16, at + 8, e, kt + e * KP + 8, KP);
+        }
+}
+
+/* pack_panel_keys, and the panel's V rows (v_offset elements after its K rows) into the column slabs of
+ * vr, the first key being key `first`: slab c holds `keys` rows of w = min(16, D - c) floats from
+ * vr + c * keys on. */
+static void pack_panel(const void* pool, int bf16, int key_words, const long* at, long v_offset, long d, float* kt,
+                       float* vr, long keys, long first) {
+    pack_panel_keys(pool, bf16, key_words, at, d, kt);
+    for (long jj = 0; jj < KP; jj++) {
+        const long v = at[jj] >= 0 ? at[jj] + v_offset : -1;
+        long c = 0;
+        for (; c + 16 <= d; c += 16) {
+            float* dst = vr + c * keys + (first + jj) * 16;
+            _mm256_storeu_ps(dst, v >= 0 ? pool_load8(pool, bf16, v + c) : _mm256_setzero_ps());
+            _mm256_storeu_ps(dst + 8, v >= 0 ? pool_load8(pool, bf16, v + c + 8) : _mm256_setzero_ps());
+        }
+        if (c < d)
+            _mm256_storeu_ps(vr + c * keys + (first + jj) * 8, v >= 0 ? pool_load8(pool, bf16, v + c) : _mm256_setzero_ps());
+    }
+}
+
+/* One tile's S = Q K^T: for each 6-row panel p of Q (qp, [D][6] each), the 16-key panels from kt on
+ * (K^T panels [D][16], consecutive) that its rows see (vis[p] keys) into s (rows KT apart). */
+static void scores(const float* qp, const float* kt, long d, float* s, const long* vis, long panels) {
+    for (long kk = 0; kk * KP < KT; kk++)
+        for (long p = 0; p < panels; p++)
+            if (vis[p] > kk * KP) tile_qk(qp + p * MR * d, kt + kk * KP * d, d, s + p * MR * KT + kk * KP, KT);
+}
+
+AVX512_TARGET static void scores512(const float* qp, const float* kt, long d, float* s, const long* vis,
+                                    long panels) {
+    for (long kk = 0; kk * KP < KT; kk += 2)
+        for (long p = 0; p < panels; p++) {
+            float* sp = s + p * MR * KT + kk * KP;
+            if (vis[p] > (kk + 1) * KP) tile_qk512(qp + p * MR * d, kt + kk * KP * d, d, sp, KT, 2);
+            else if (vis[p] > kk * KP) tile_qk512(qp + p * MR * d, kt + kk * KP * d, d, sp, KT, 1);
+        }
+}
+
+/* One tile's O = alpha O + P V for every row panel that sees a key of it: V in column slabs of 16
+ * (slab c holds `keys` rows of 16 floats from vr + c * keys; the last 8 columns where D % 16 == 8). */
+static void values(float* o, long d, const float* s, const float* vr, long keys, long k0, const long* vis,
+                   const float* alpha, long panels) {
+    long c = 0;
+    for (; c + 16 <= d; c += 16)
+        for (long p = 0; p < panels; p++)
+            if (vis[p]) tile_pv16(o + p * MR * d + c, d, s + p * MR * KT, KT, vr + c * keys + k0 * 16, 16, vis[p],
+                                  alpha + p * MR);
+    if (c < d)
+        for (long p = 0; p < panels; p++)
+            if (vis[p]) tile_pv8(o + p * MR * d + c, d, s + p * MR * KT, KT, vr + c * keys + k0 * 8, 8, vis[p],
+                                 alpha + p * MR);
+}
+
+AVX512_TARGET static void values512(float* o, long d, const float* s, const float* vr, long keys, long k0,
+                                    const long* vis, const float* alpha, long panels) {
+    long c = 0;
+    for (; c + 32 <= d; c += 32)
+        for (long p = 0; p < panels; p++)
+            if (vis[p]) tile_pv512(o + p * MR * d + c, d, s + p * MR * KT, KT, vr + c * keys + k0 * 16,
+                                   vr + (c + 16) * keys + k0 * 16, vis[p], alpha + p * MR, 2);
+    if (c + 16 <= d) {
+        for (long p = 0; p < panels; p++)
+            if (vis[p]) tile_pv512(o + p * MR * d + c, d, s + p * MR * KT, KT, vr + c * keys + k0 * 16, NULL, vis[p],
+                                   alpha + p * MR, 1);
+        c += 16;
+    }
+    if (c < d)
+        for (long p = 0; p < panels; p++)
+            if (vis[p]) tile_pv8(o + p * MR * d + c, d, s + p * MR * KT, KT, vr + c * keys + k0 * 8, 8, vis[p],
+                                 alpha + p * MR);
+}
+
+#endif
