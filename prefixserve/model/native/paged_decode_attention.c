@@ -102,7 +102,7 @@ static ALWAYS_INLINE void qk_few(const float* qp, const float* kt, long d, float
 }
 
 /* qk_few over a bfloat16 pool's keys packed as word pairs (pack_keys_bf16: [D/2][16] words a panel),
- * widened here: half the transposing of widened keys, which is most of a few-row task's work. Each lane
+ * widened here: half the transposing of widened keys, much of a few-row task's work. Each lane
  * still multiplies dimension 2i before 2i + 1, the same chain as qk_few. */
 static ALWAYS_INLINE void qk_few_pairs(const float* qp, const float* kt, long d, float* s, long lds, const int nr) {
     __m256 c[FEW_ROWS][4];
