@@ -21,10 +21,10 @@
  * each V row in place instead.
  *
  * Against the previous kernel (its own summation order, one block per softmax step), 2-core AMD EPYC
- * Zen 3 (AVX2), 8 KV heads of 128, K/V from memory: 16 sequences stacked over a 1024-token run
- * 5.0 -> 2.0 ms a layer (bfloat16 pool), 4.9 -> 2.5 ms (float32); one sequence over 1024 tokens
- * 1.0 -> 1.1 ms (bfloat16), 1.0 -> 1.2 ms (float32): the transposes the shared tiles need cost a
- * few-row task more than the lane sums they replace.
+ * Zen 3 (AVX2), 8 KV heads of 128, K/V from memory, per layer: 16 sequences stacked over a 1024-token
+ * run 0.47x the time (bfloat16 pool), 0.53x (float32); one sequence over 256-1024 tokens 0.79-0.85x
+ * (bfloat16), 1.05-1.15x (float32: the transposes the shared tiles need cost a few-row task more than
+ * the lane sums they replace); 16 unshared sequences over 1024 0.76x (bfloat16), 1.02-1.11x (float32).
  *
  * pool: [2, num_blocks, block_size, KVH, D] (K then V); q, out: [B, KVH, R, D] float32 (with a
  * bfloat16 pool holding bfloat16 values: the model's queries, widened); lse: [B, KVH, R].
@@ -131,14 +131,18 @@ static ALWAYS_INLINE void qk_few_pairs(const float* qp, const float* kt, long d,
         for (int j = 0; j < 4; j++) _mm256_storeu_ps(s + r * lds + 8 * j, c[r][j]);
 }
 
-/* o[r, c..c+8 nv) = alpha[r] * o[r, ..] + sum_{j<n} p[r, j] * V_j[c..c+8 nv) for r < nr, nv <= 4, each V
- * row read where it lies in the pool (v[j]: its element c; widened from bfloat16 as it is read) */
+/* o[r, c..c+8 nv) = alpha[r] * o[r, ..] (alpha NULL: o as it is) + sum_{j<n} p[r, j] * V_j[c..c+8 nv) for
+ * r < nr, nv <= 4, each V row read where it lies in the pool (v[j]: its element c; widened from bfloat16
+ * as it is read) */
 static ALWAYS_INLINE void pv_few(float* o, long ldo, const float* p, long ldp, const void* pool, int bf16,
                                  const long* v, long c, long n, const float* alpha, const int nr, const int nv) {
     __m256 acc[FEW_ROWS][4];
     for (int r = 0; r < nr; r++) {
-        const __m256 a = _mm256_broadcast_ss(alpha + r);
-        for (int i = 0; i < nv; i++) acc[r][i] = _mm256_mul_ps(a, _mm256_loadu_ps(o + r * ldo + c + 8 * i));
+        const __m256 a = alpha ? _mm256_broadcast_ss(alpha + r) : _mm256_set1_ps(1.0f);
+        for (int i = 0; i < nv; i++) {
+            const __m256 x = _mm256_loadu_ps(o + r * ldo + c + 8 * i);
+            acc[r][i] = alpha ? _mm256_mul_ps(a, x) : x;
+        }
     }
     for (long j = 0; j < n; j++) {
         __m256 x[4];
@@ -162,12 +166,19 @@ static ALWAYS_INLINE void scores_few(const float* qp, const float* kt, long d, f
     }
 }
 
-/* One tile's O = alpha O + P V for nr rows, 32 columns at a time (v: where each key's V row starts) */
+/* One tile's O = alpha O + P V for nr rows, 32 columns at a time over 16 keys at a time: the 16 rows
+ * stay in L1 across the column passes (over all 64 keys at once a float32 tile's rows, 4 KB apart, came
+ * back from L2 on every pass: 2.5x the time). Each output lane still runs alpha, then the keys in order;
+ * o holds it exactly between groups. (v: where each key's V row starts) */
 static ALWAYS_INLINE void values_few(float* o, long d, const float* s, const void* pool, int bf16, const long* v,
                                      long n, const float* alpha, const int nr) {
-    long c = 0;
-    for (; c + 32 <= d; c += 32) pv_few(o, d, s, KT, pool, bf16, v, c, n, alpha, nr, 4);
-    for (; c < d; c += 8) pv_few(o, d, s, KT, pool, bf16, v, c, n, alpha, nr, 1);
+    for (long j0 = 0; j0 < n; j0 += KP) {
+        const long nj = n - j0 < KP ? n - j0 : KP;
+        const float* a = j0 ? NULL : alpha;
+        long c = 0;
+        for (; c + 32 <= d; c += 32) pv_few(o, d, s + j0, KT, pool, bf16, v + j0, c, nj, a, nr, 4);
+        for (; c < d; c += 8) pv_few(o, d, s + j0, KT, pool, bf16, v + j0, c, nj, a, nr, 1);
+    }
 }
 
 void paged_decode_attention(const float* q, const void* pool, int pool_bf16, const long* tables, const long* lens,
