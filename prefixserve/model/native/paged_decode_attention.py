@@ -21,9 +21,11 @@ from prefixserve.model.native.isa import BODY_CODES, ISAS, best_isa
 @dataclass
 class DecodeState:
     """Where an online softmax over a context's leading blocks left off, per query row: the unnormalised
-    output `acc` [B, KVH, R, D], the running max `m` and denominator `l` [B, KVH, R], all float32.
-    A later call carries on from it over the following blocks exactly as one pass over all of them
-    would (the same operations in the same order), which a merge of two finished halves does not."""
+    output `acc` [B, KVH, R, D], the running max `m` and denominator `l` [B, KVH, R], all float32, in
+    base 2 (of the scores scaled by scale * log2 e, as the kernels' exp2 takes them). A later call
+    carries on from it over the following blocks exactly as one pass over all of them would (the same
+    operations in the same order, from a softmax tile's edge), which a merge of two finished halves
+    does not."""
     acc: torch.Tensor
     m: torch.Tensor
     l: torch.Tensor
