@@ -31,6 +31,7 @@ class SharedRun:
     """Decode sequences (indices into the plan's rows) whose contexts start with the same blocks."""
     members: torch.Tensor  # [n] int64
     blocks: torch.Tensor   # [P] int64: physical ids of the shared leading blocks
+    tokens: torch.Tensor   # [1] int64: P * block_size, the run's length as the kernel takes it
 
 
 @dataclass
@@ -82,7 +83,8 @@ def plan_decode(meta: AttentionMetadata, run_tokens_multiple: int = 1) -> Decode
         suffix_tables=_tensor(suffix_tables, device),
         suffix_padded=bool((suffix_lens != width * bs).any()),
         suffix_lens=_tensor(suffix_lens, device),
-        shared=tuple(SharedRun(members=_tensor(m, device), blocks=_tensor(b, device)) for m, b in runs),
+        shared=tuple(SharedRun(members=_tensor(m, device), blocks=_tensor(b, device),
+                               tokens=_tensor(np.array([len(b) * bs]), device)) for m, b in runs),
         block_size=bs,
     )
 

@@ -175,8 +175,7 @@ def _decode_native(queries: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePl
                             torch.zeros(queries.shape[:3]))
         for run in plan.shared:
             m = len(run.members)
-            run_lens = torch.tensor([run.blocks.numel() * kv_cache.shape[2]], device=queries.device)
-            part = kernel.partial(_stacked(queries, run.members), kv_cache, run.blocks[None], run_lens, scale)
+            part = kernel.partial(_stacked(queries, run.members), kv_cache, run.blocks[None], run.tokens, scale)
             state.acc.index_copy_(0, run.members, _unstacked(part.acc, m))
             state.m.index_copy_(0, run.members, _unstacked(part.m, m))
             state.l.index_copy_(0, run.members, _unstacked(part.l, m))

@@ -137,13 +137,11 @@ static ALWAYS_INLINE void qk_few_pairs(const float* qp, const float* kt, long d,
 static ALWAYS_INLINE void pv_few(float* o, long ldo, const float* p, long ldp, const void* pool, int bf16,
                                  const long* v, long c, long n, const float* alpha, const int nr, const int nv) {
     __m256 acc[FEW_ROWS][4];
-    for (int r = 0; r < nr; r++) {
-        const __m256 a = alpha ? _mm256_broadcast_ss(alpha + r) : _mm256_set1_ps(1.0f);
+    for (int r = 0; r < nr; r++)
         for (int i = 0; i < nv; i++) {
             const __m256 x = _mm256_loadu_ps(o + r * ldo + c + 8 * i);
-            acc[r][i] = alpha ? _mm256_mul_ps(a, x) : x;
+            acc[r][i] = alpha ? _mm256_mul_ps(_mm256_broadcast_ss(alpha + r), x) : x;
         }
-    }
     for (long j = 0; j < n; j++) {
         __m256 x[4];
         for (int i = 0; i < nv; i++) x[i] = pool_load8(pool, bf16, v[j] + c + 8 * i);

@@ -75,8 +75,6 @@ class PagedDecodeAttention:
         """The online softmax over the blocks of `tables`, left unfinished for a later call to carry on.
         Every length must be a whole number of softmax tiles (`tile_keys`): the call carrying on starts
         a tile where one pass over the whole context starts one, so the two give the same bits."""
-        if bool((lens % self.tile_keys).any()):
-            raise ValueError(f"a partial pass must cover whole tiles of {self.tile_keys} keys")
         return self._run(q, kv_cache, tables, lens, scale, None, finalize=False)[0]
 
     def _run(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float,
@@ -88,8 +86,12 @@ class PagedDecodeAttention:
                              f"tables {tuple(tables.shape)}, lens {tuple(lens.shape)}")
         if tables.dtype != torch.int64 or lens.dtype != torch.int64:
             raise ValueError("tables and lens must be int64")
-        if batch and int(lens.max()) > tables.shape[1] * block_size:
+        # one host pass over the lengths (a tensor op costs ~10 us, and this runs per layer)
+        host_lens = lens.cpu().numpy()
+        if batch and host_lens.max() > tables.shape[1] * block_size:
             raise ValueError("a length runs past its block table")
+        if not finalize and (host_lens % self.tile_keys).any():
+            raise ValueError(f"a partial pass must cover whole tiles of {self.tile_keys} keys")
         if q.dtype != torch.float32 or not self.supports(q, kv_cache):
             raise ValueError("needs float32 queries, a contiguous float32 or bfloat16 CPU pool and head_dim % 8 == 0")
         q, tables, lens = q.contiguous(), tables.contiguous(), lens.contiguous()
