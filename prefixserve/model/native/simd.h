@@ -11,6 +11,10 @@
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define AVX512_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #define ALWAYS_INLINE inline __attribute__((always_inline))
+/* Pins a loaded vector in a register: without it GCC folds a load used by several multiply-adds into
+ * each of them, re-reading it once per use (the AVX2 6x2 tile then issued 14 loads per 12 FMAs, bound
+ * by the two 256-bit loads a Zen 3 core issues per cycle, instead of 8). */
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
 
 /* [sum a0, sum a1, sum a2, sum a3]: interleaving pairs and adding halves costs a third of four
  * separate reductions. Every add combines lanes of one accumulator only, in a fixed order, so each
