@@ -58,3 +58,35 @@ def test_no_sharing_within_1_2x_of_llama_cpp_in_bfloat16() -> None:
     assert not judged(12.5, 10.0).met        # 1.25x slower: not
     f32 = evaluate_targets([_run("prefixserve", 12.5), RunResult("llama.cpp", "no-sharing", [], 10.0, 100, 0)], {}, {})
     assert _named(f32, "no-sharing: ratio to llama.cpp").met is None
+
+
+def _results(start: tuple[float, float], between_rounds: tuple[float, float] | None):
+    from prefixserve.benchmarks.limits import MachineLimits, ModelCost
+    from prefixserve.benchmarks.runner import BenchConfig, BenchResults
+    from prefixserve.benchmarks.workloads import build_workload
+    from prefixserve.model import RANDOM_PRESETS
+    flops, bandwidth = start
+    res = BenchResults(BenchConfig(model="random:qwen3-tiny", workloads=("long-doc-qa",), quick=True), {},
+                       MachineLimits(flops, {1024: flops}, bandwidth, "float32", 2),
+                       ModelCost(RANDOM_PRESETS["qwen3-tiny"], 4), {"long-doc-qa": build_workload("long-doc-qa", True)})
+    if between_rounds:
+        res.roofline = {"prefill": {"matmul_flops": between_rounds[0], "fraction": 0.5},
+                        "decode_b1": {"bandwidth_bytes": between_rounds[1], "fraction": 0.5},
+                        "warm_ttft": {"ratio": 1.0}}
+    return res
+
+
+def test_bounds_are_set_against_the_best_limits_read_in_the_run() -> None:
+    """A low reading at the start must not loosen the TPOT bound or the ideal times: both follow the
+    highest matmul rate and bandwidth measured anywhere in the run (here each from a different reading)."""
+    from prefixserve.benchmarks.limits import MachineLimits, batched_decode_bound_s, ideal_workload_seconds
+    from prefixserve.benchmarks.report import decode_bounds, to_json
+    best = MachineLimits(4e9, {1024: 4e9}, 3e9, "float32", 2)
+    for start, rounds in [((1e9, 3e9), (4e9, 1e9)), ((4e9, 1e9), (1e9, 3e9)), ((4e9, 3e9), None)]:
+        res = _results(start, rounds)
+        w = res.workloads["long-doc-qa"]
+        rnd = w.rounds[0]
+        contexts = [len(r.prompt_token_ids) + max(q.max_tokens for q in rnd) // 2 for r in rnd]
+        shared = min(r.shared_prefix_len for r in rnd)
+        assert decode_bounds(res)["long-doc-qa"] == batched_decode_bound_s(res.cost, best, contexts, shared)
+        assert to_json(res)["workloads"]["long-doc-qa"]["ideal_seconds"] == ideal_workload_seconds(w, res.cost, best)

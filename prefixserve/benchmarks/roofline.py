@@ -3,8 +3,9 @@
 prefill: one 512-token prompt, nothing cached, timed to its first token.
 decode: one sequence, time per output token after the first.
 The matmul peak and the memory bandwidth these are set against are measured
-between their rounds, best of each, because on a shared machine the limits of
-some minutes earlier say little (peaks of 108-148 GFLOP/s and 16-24 GB/s seen).
+between their rounds as well, and the best reading is taken, the run's start
+included, because on a shared machine the limits of some minutes earlier say
+little (peaks of 108-148 GFLOP/s and 16-24 GB/s seen; 81 and 155 in one run).
 warm TTFT: a long prefix already cached plus a new 32-token suffix, against
 the first-token time of a prompt made of that suffix alone (what computing only
 the uncached tokens costs).
@@ -56,7 +57,7 @@ def measure_roofline(engine: LLMEngine, cost: ModelCost, limits: MachineLimits, 
         peaks.append(max(measure_matmul(dtype, tuple(limits.matmul_by_size), repeat=2).values()))
         prefill_times.append(time_request(engine, _tokens(rng, prefill_len), 1)[0])
     prefill_rate = prefill_len / min(prefill_times)
-    prefill_limits = replace(limits, matmul_flops=max(peaks))
+    prefill_limits = replace(limits, matmul_flops=max(peaks + [limits.matmul_flops]))
     prefill_ideal = ideal_prefill_tokens_per_s(cost, prefill_limits, prefill_len)
 
     per_token, bandwidths = [], []
@@ -67,7 +68,7 @@ def measure_roofline(engine: LLMEngine, cost: ModelCost, limits: MachineLimits, 
         per_token.append((e2e - ttft) / (n - 1))
     del buf
     decode_rate = 1.0 / min(per_token)
-    decode_limits = replace(limits, bandwidth_bytes=max(bandwidths))
+    decode_limits = replace(limits, bandwidth_bytes=max(bandwidths + [limits.bandwidth_bytes]))
     decode_ideal = ideal_decode_steps_per_s(cost, decode_limits, [64 + decode_tokens // 2])
 
     doc = _tokens(rng, doc_len)
