@@ -179,6 +179,22 @@ static ALWAYS_INLINE void values_few(float* o, long d, const float* s, const voi
     }
 }
 
+/* Requests the K and V rows of keys [j0, j1) of one KV head (at element `head` of a token's row) into L1:
+ * the hardware prefetcher cannot follow rows scattered over the pool's blocks, and a tile's compute
+ * would otherwise wait on each of them (16 sequences stacked over a 1024-token run, K/V from memory:
+ * 1.23x; one sequence's 110 keys 1.09x; bfloat16 pool, Zen 5 EPYC, 2 threads). */
+static void request_rows(const void* pool, long elt, const long* table, long block_size, long token_stride,
+                         long v_offset, long head, long d, long j0, long j1) {
+    for (long j = j0; j < j1; j++) {
+        const char* row = (const char*)pool + elt * ((table[j / block_size] * block_size + j % block_size) * token_stride
+                                                     + head);
+        for (long c = 0; c < d * elt; c += 64) {
+            _mm_prefetch(row + c, _MM_HINT_T0);
+            _mm_prefetch(row + elt * v_offset + c, _MM_HINT_T0);
+        }
+    }
+}
+
 void paged_decode_attention(const float* q, const void* pool, int pool_bf16, const long* tables, const long* lens,
                             long batch, long kv_heads, long rows, long head_dim, long num_blocks,
                             long block_size, long table_width, float scale, float* out, float* lse,
@@ -188,6 +204,7 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
     const long token_stride = kv_heads * d;
     const long block_stride = block_size * token_stride;
     const long v_offset = num_blocks * block_stride;          /* the V pool follows the K pool */
+    const long elt = pool_bf16 ? 2 : 4;
     const long panels = (rows + MR - 1) / MR, padded = panels * MR;
     const float qscale = scale * 1.44269504088896341f;       /* scores in base 2, as in prefill */
     const __m256 qs = _mm256_set1_ps(qscale);
@@ -242,6 +259,17 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                     else
                         pack_panel(pool, pool_bf16, key_words, at + pan * KP, v_offset, d, kt + pan * pstride, vr, KT,
                                    pan * KP);
+                }
+                /* the next tile's K and V rows (this task's, or the next task's first), requested while
+                 * this one is computed; on AVX-512 CPUs only: on a Zen 3 EPYC (AVX2) the same requests left
+                 * stacked runs 1.00-1.07x and made tasks of a few float32 rows 1.2x slower */
+                if (avx512 && k0 + KT < len)
+                    request_rows(pool, elt, tables + b * table_width, block_size, token_stride, v_offset, h * d, d,
+                                 k0 + KT, len < k0 + 2 * KT ? len : k0 + 2 * KT);
+                else if (avx512 && task + 1 < batch * kv_heads) {
+                    const long b1 = (task + 1) / kv_heads, len1 = lens[b1];
+                    request_rows(pool, elt, tables + b1 * table_width, block_size, token_stride, v_offset,
+                                 (task + 1) % kv_heads * d, d, 0, len1 < KT ? len1 : KT);
                 }
                 /* every row of a decode task sits after all of the tile's keys */
                 for (long p = 0; p < panels; p++) vis[p] = n;
