@@ -2,7 +2,7 @@
 prefix comes from the pool (computed by another request, in another batch) gets exactly the
 tokens and log-probabilities it gets with caching off, where every token is computed afresh.
 
-The tokens must be equal exactly. In bfloat16 on a CPU with the bfloat16 dot-product GEMM body, so
+The tokens must be equal exactly. In bfloat16 on a CPU with avx512_bf16 (packed weights, native/packed_gemm.c), so
 are the log-probabilities, bit for bit: every product runs through one kernel whose row results do not
 depend on the batch, and decode attention carries a shared run's softmax state into each sequence's
 own blocks instead of merging two finished halves. Elsewhere they are equal up to the last bits only:
@@ -14,18 +14,17 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from prefixserve import LLM, SamplingParams
+from prefixserve.model.native import packed_gemm
 from prefixserve.model.native.build import enabled
-from prefixserve.model.native.small_m_gemm import max_rows
 
 PREFIX_LEN = 56  # 3.5 blocks: the shared run ends inside a block
 SUFFIX_LENS = [3, 9, 16, 21, 30, 1]
 # a few units in the last place of the dtype a step computes in
 LOGPROB_RTOL = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 1e-2}
 # where every bfloat16 product and decode attention are batch-invariant (see the module docstring)
-BF16_EXACT = enabled() and max_rows(torch.bfloat16) is None
+BF16_EXACT = enabled() and packed_gemm.default_kernel() is not None
 
 
 def prompts(seed: int, vocab: int) -> list[list[int]]:

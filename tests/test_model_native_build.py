@@ -22,12 +22,21 @@ from pathlib import Path
 import pytest
 
 from native_kernel_build import needs_kernel
-from prefixserve.model.native import build, fused_pointwise, paged_decode_attention, paged_prefill_attention
+from prefixserve.model.native import build, fused_pointwise, packed_gemm, paged_decode_attention, paged_prefill_attention
 from prefixserve.model.native import report, small_m_gemm
+from prefixserve.model.native.isa import AVX512_BF16, best_isa
 from prefixserve.model.native.small_m_gemm import SmallMGemm, _agrees_with_torch
 
 NAME = "small_m_gemm"   # the quickest kernel to build
-DEFAULTS = (small_m_gemm, paged_decode_attention, paged_prefill_attention, fused_pointwise)
+DEFAULTS = (small_m_gemm, packed_gemm, paged_decode_attention, paged_prefill_attention, fused_pointwise)
+# packed_gemm is made of bfloat16 dot products: elsewhere it is reported as such and nothing of it runs
+RUNNABLE = {module.__name__.rsplit(".", 1)[1] for module in DEFAULTS} - (
+    set() if best_isa() == AVX512_BF16 else {"packed_gemm"})
+
+
+def reason_here(name: str, reason: str) -> str:
+    """`reason` for a kernel this CPU runs; the missing instruction set for one it cannot."""
+    return reason if name in RUNNABLE else build.NO_AVX512_BF16
 
 
 @pytest.fixture
@@ -272,7 +281,8 @@ def test_a_hung_compiler_times_out_and_falls_back_to_torch(hangs_on, tmp_path, m
     result = report.load_all()
     elapsed = time.monotonic() - start
     assert elapsed < 10, "the compiler's timeout is paid once, not once per kernel"
-    assert all(entry["reason"] == build.BUILD_TIMEOUT and not entry["active"] for entry in result.values())
+    assert all(entry["reason"] == reason_here(name, build.BUILD_TIMEOUT) and not entry["active"]
+               for name, entry in result.items())
     assert "did not finish within 1 s" in result[NAME]["detail"]
     assert all(gone(int(pid)) for pid in pids.read_text().split()), "the compiler's children are killed too"
 
@@ -309,7 +319,8 @@ def test_a_cpu_without_avx2_is_reported(monkeypatch, fresh_defaults):
 
 def test_report_before_any_kernel_is_used(fresh_defaults):
     result = report.kernel_report()
-    assert set(result) == {"small_m_gemm", "paged_decode_attention", "paged_prefill_attention", "fused_pointwise"}
+    assert set(result) == {"small_m_gemm", "packed_gemm", "paged_decode_attention", "paged_prefill_attention",
+                           "fused_pointwise"}
     assert all(entry["reason"] == build.NOT_LOADED and not entry["active"] for entry in result.values())
 
 
@@ -317,8 +328,9 @@ def test_report_before_any_kernel_is_used(fresh_defaults):
 def test_load_all_builds_every_kernel_into_the_cache(tmp_path, monkeypatch, fresh_defaults):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     result = report.load_all()
-    assert all(entry["active"] for entry in result.values()), result
-    assert sorted(p.name.split("-")[0] for p in build.cache_dir().iterdir()) == sorted(result)
+    assert all(entry["active"] == (name in RUNNABLE) for name, entry in result.items()), result
+    assert result.get("packed_gemm", {}).get("reason") == reason_here("packed_gemm", None)
+    assert sorted(p.name.split("-")[0] for p in build.cache_dir().iterdir()) == sorted(RUNNABLE)
     assert report.load_all() == result   # each kernel is built once per process
 
 

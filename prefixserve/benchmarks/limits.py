@@ -15,6 +15,7 @@ from prefixserve.benchmarks.timing import best_seconds
 from prefixserve.benchmarks.workloads import Workload
 from prefixserve.model import ModelConfig
 from prefixserve.model.linear import linear
+from prefixserve.model.packed_weight import PackedWeight, applies as packing_applies
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,14 @@ class MachineLimits:
 
 def measure_matmul(dtype: torch.dtype, sizes: tuple[int, ...] = (1024, 2048), repeat: int = 3) -> dict[int, float]:
     """FLOP/s of an n x n x n product for each n (2 n^3 FLOPs), by the faster of torch.mm and the
-    kernel the model's projections use: the peak is what this machine can do, not what one library does."""
+    kernel the model's projections use (on packed weights where the model packs them): the peak is what
+    this machine can do, not what one library does."""
     out = {}
     for n in sizes:
         a = torch.randn(n, n).to(dtype)
         b = torch.randn(n, n).to(dtype)
-        seconds = min(best_seconds(lambda: torch.mm(a, b), repeat), best_seconds(lambda: linear(a, b), repeat))
+        weight = PackedWeight(b) if packing_applies(b) else b
+        seconds = min(best_seconds(lambda: torch.mm(a, b), repeat), best_seconds(lambda: linear(a, weight), repeat))
         out[n] = 2 * n**3 / seconds
     return out
 

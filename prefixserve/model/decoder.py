@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from prefixserve.model.attention.backend import AttentionBackend
@@ -20,6 +19,8 @@ from prefixserve.model.attention.registry import AUTO, select_backend
 from prefixserve.model.config import ModelConfig
 from prefixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, empty_parameter, fused_kernel
 from prefixserve.model.linear import linear
+from prefixserve.model.packed_weight import applies as packing_applies
+from prefixserve.model.packed_weight import embedding, pack_attribute
 
 
 class Attention(nn.Module):
@@ -126,12 +127,30 @@ class CausalLM(nn.Module):
         if input_ids.shape != positions.shape or input_ids.dim() != 1:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
                              "must be equal-length 1-D tensors")
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
         return self.norm(x) if residual is None else self.norm.add_norm(x, residual)[0]
+
+    @torch.no_grad()
+    def pack_weights(self) -> bool:
+        """Re-lays every projection and the LM head for the packed bfloat16 GEMM, where the CPU and dtype
+        allow (model/packed_weight.py); True if it did. A tied embedding shares the packed LM head."""
+        if not packing_applies(self.lm_head):
+            return False
+        for layer in self.layers:
+            pack_attribute(layer.self_attn, "qkv_proj")
+            pack_attribute(layer.self_attn, "o_proj")
+            pack_attribute(layer.mlp, "gate_up_proj")
+            pack_attribute(layer.mlp, "down_proj")
+        tied = self.lm_head is self.embed_tokens
+        head = pack_attribute(self, "lm_head")
+        if tied:
+            del self.embed_tokens
+            self.embed_tokens = head
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the given rows only (the caller selects the rows to sample)."""

@@ -17,7 +17,10 @@ import time
 
 import torch
 
+from prefixserve.model.linear import linear
 from prefixserve.model.native.isa import cpu_probe
+from prefixserve.model.packed_weight import PackedWeight
+from prefixserve.model.packed_weight import applies as packing_applies
 
 AUTO = "auto"
 # bfloat16 also costs accuracy: take it only for a clear gain
@@ -70,21 +73,23 @@ def choose_dtype(requested: str, device: torch.device,
 
 
 def measure_bf16_speedup(rounds: int = 9) -> float:
-    """float32 time over bfloat16 time of a 256 x 1024 x 1024 matmul (a prefill chunk's shape):
-    the fastest of `rounds` products in each dtype, the dtypes alternating, after a warm-up that
+    """float32 time over bfloat16 time of a 256 x 1024 x 1024 matmul (a prefill chunk's shape), each
+    through the kernel the model's projections would use (`linear`, on a packed weight where a bfloat16
+    model packs them): the fastest of `rounds` products in each dtype, the dtypes alternating, after a warm-up that
     builds oneDNN's primitives. Timing each dtype in a burst of its own let one busy moment on a
     shared machine slow one dtype only (a 0.6x machine once read 3.7x, and two engines in one
     process chose different dtypes); alternating, each dtype's fastest round comes from the
     quiet moments both had."""
     generator = torch.Generator().manual_seed(0)
     a, b = torch.randn(256, 1024, generator=generator), torch.randn(1024, 1024, generator=generator)
-    operands = ((a, b), (a.bfloat16(), b.bfloat16()))
+    b16 = b.bfloat16()
+    operands = ((a, b), (a.bfloat16(), PackedWeight(b16) if packing_applies(b16) else b16))
     best = [float("inf"), float("inf")]
     for x, y in operands:
-        torch.mm(x, y)
+        linear(x, y)
     for _ in range(rounds):
         for i, (x, y) in enumerate(operands):
             start = time.perf_counter()
-            torch.mm(x, y)
+            linear(x, y)
             best[i] = min(best[i], time.perf_counter() - start)
     return best[0] / best[1]

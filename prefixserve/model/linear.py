@@ -1,7 +1,8 @@
 """Dense projections routed to the fastest matmul kernel for the shape and device.
 
-Up to `native.small_m_gemm.max_rows(dtype)` rows on an AVX2 CPU (every row count in bfloat16
-with the avx512_bf16 body: batch invariance, see there), the project's own kernel
+A packed bfloat16 weight (`packed_weight.py`, every projection of a bfloat16 model on a CPU with
+avx512_bf16) takes the packed kernel at every row count. For row-major weights:
+up to `native.small_m_gemm.MAX_ROWS` rows on an AVX2 CPU, the project's own kernel
 (`native/small_m_gemm.c`) streams each weight once at nearly the memory bandwidth. Otherwise,
 on CPU, F.linear calls MKL's sgemm, which on this project's machines (AMD EPYC, 2
 threads) streams a weight at 2-10 GB/s when 1-16 rows multiply it: exactly the
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixserve.model.native.small_m_gemm import SmallMGemm, default_kernel
+from prefixserve.model.packed_weight import PackedWeight
 
 _ONEDNN_DTYPES = (torch.float32,)
 # On CPU, F.linear in these dtypes goes to oneDNN's matmul, which keeps a primitive per shape too.
@@ -94,8 +96,10 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T (+ bias), like F.linear."""
+    if isinstance(weight, PackedWeight):
+        return weight.matmul(x, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return F.linear(x, weight, bias)  # neither fast kernel has a backward
     if SmallMGemm.supports(x, weight, bias) and (kernel := default_kernel()) is not None:

@@ -35,6 +35,8 @@ def load_model(model: str | os.PathLike, *, dtype: torch.dtype | str | None = No
                attention_backend: str = "auto") -> LoadedModel:
     """Loads a local HF checkpoint folder or builds "random:<preset>" with weights seeded by `seed`.
 
+    A bfloat16 model on a CPU with avx512_bf16 comes back with its projections packed for the packed
+    GEMM (`CausalLM.pack_weights`).
     dtype None (or "auto") means float32 on CPU (bf16 matmuls lose accuracy there for
     little gain at small batch) and the checkpoint's own dtype on other devices.
     attention_backend: a registered backend's name, or "auto" for the best one for the
@@ -57,6 +59,7 @@ def _load_random(preset: str, dtype: torch.dtype | str | None, device: torch.dev
             f"unknown random model preset {preset!r}; presets: {', '.join(sorted(RANDOM_PRESETS))}")
     torch_dtype = resolve_dtype(dtype if dtype is not None else torch.float32)
     built = random_model(preset, dtype=torch_dtype, device=device, seed=seed, attention_backend=attention_backend)
+    built.pack_weights()
     identity = f"{RANDOM_PREFIX}{preset}:seed{seed}:{dtype_name(torch_dtype)}"
     return LoadedModel(model=built, config=built.config, identity=identity, path=None)
 
@@ -70,13 +73,15 @@ def _load_checkpoint(folder: Path, dtype: torch.dtype | str | None, device: torc
     torch_dtype = resolve_dtype(dtype)
     model = CausalLM(config, dtype=torch_dtype, device=device, attention_backend=attention_backend)
     load_weights(model, files)
+    model.pack_weights()
     identity = f"hf:{files.fingerprint()}:{dtype_name(torch_dtype)}"
     return LoadedModel(model=model.eval(), config=config, identity=identity, path=folder.resolve())
 
 
 @torch.no_grad()
 def load_weights(model: CausalLM, files: CheckpointFiles) -> None:
-    """Copies every checkpoint tensor into its place, converting dtype; rejects gaps and extras."""
+    """Copies every checkpoint tensor into its place, converting dtype; rejects gaps and extras.
+    Runs before `CausalLM.pack_weights`: a packed projection has no row-major tensor to copy into."""
     targets = hf_weight_targets(model)
     tied = model.config.tie_word_embeddings
     seen: dict[str, str] = {}

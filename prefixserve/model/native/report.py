@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prefixserve.model.native import (build, fused_pointwise, paged_decode_attention, paged_prefill_attention,
-                                      small_m_gemm)
+from prefixserve.model.native import (build, fused_pointwise, packed_gemm, paged_decode_attention,
+                                      paged_prefill_attention, small_m_gemm)
 
 _DEFAULT_KERNELS: dict[str, Callable[[], object]] = {
     "small_m_gemm": small_m_gemm.default_kernel,
+    "packed_gemm": packed_gemm.default_kernel,
     "paged_decode_attention": paged_decode_attention.default_kernel,
     "paged_prefill_attention": paged_prefill_attention.default_kernel,
     "fused_pointwise": fused_pointwise.default_kernel,

@@ -1,4 +1,6 @@
-/* y[m, n] = x[m, k] @ w[n, k]^T (+ bias[n]) for the few rows of a decode step: float32 or bfloat16.
+/* y[m, n] = x[m, k] @ w[n, k]^T (+ bias[n]) for the few rows of a decode step, over row-major weights:
+ * float32, or bfloat16 weights where the CPU lacks avx512_bf16 (with it, bfloat16 projections are packed
+ * for packed_gemm.c).
  *
  * Library GEMMs (MKL, oneDNN) pack and block for large m; with 1-64 rows they stream the weight at a
  * third to a half of the memory bandwidth on AMD EPYC. Here each weight row is read from memory once
@@ -10,8 +12,7 @@
  *   in 12 accumulators of 8 lanes, the next tile prefetched while the pairs after the first reuse this
  *   one from cache. The bfloat16 variant reads a bfloat16 weight and float32 x, bias
  *   and y: each weight lane is widened by a shift and multiplied in float32.
- * - small_m_gemm_avx512 / small_m_gemm_avx512_bf16 (below): AVX-512, 4 x 6 register tiles; the
- *   bfloat16 one multiplies bfloat16 x and weights with vdpbf16ps.
+ * - small_m_gemm_avx512 (below): float32 on AVX-512, 4 x 6 register tiles.
  *
  * The AVX2 bodies require k % 8 == 0, all of them contiguous row-major operands; the Python side checks.
  */
@@ -139,15 +140,12 @@ void small_m_gemm##S(const float* x, const W* w, const float* bias, float* y,   
 SMALL_M_GEMM(, float, load_f32)
 SMALL_M_GEMM(_bf16, uint16_t, load_bf16)
 
-/* AVX-512 versions, register-blocked for 2-32 rows: a tile of TN4 weight rows against up to TM6 x rows
+/* The AVX-512 float32 body, register-blocked for 2-64 rows: a tile of TN4 weight rows against up to TM6 x rows
  * holds 24 accumulators of 16 lanes, so every weight load feeds up to six multiply-adds and every x load
- * four, and the loop runs at the FMA (or bfloat16 dot-product) rate instead of the load rate. Rows are
+ * four, and the loop runs at the FMA rate instead of the load rate. Rows are
  * taken six at a time while the weight tile stays in L1; each output's sum runs over the same lanes in
- * the same order whatever the rows beside it, so a row's result does not depend on the batch.
- *
- * small_m_gemm_avx512_bf16 multiplies bfloat16 x by bfloat16 weights with vdpbf16ps (pairs of exact
- * products, summed in float32): twice the FMA's rate, and no widening. These functions carry their own
- * target attributes; the caller runs them only where torch reports the features (CPU and OS). */
+ * the same order whatever the rows beside it, so a row's result does not depend on the batch. These
+ * functions carry their own target attribute; the caller runs them only where torch reports AVX-512. */
 #define TN4 4
 #define TM6 6
 /* From this many rows on, a tile's passes prefetch the next tile's weights, spread over all of them
@@ -159,7 +157,7 @@ SMALL_M_GEMM(_bf16, uint16_t, load_bf16)
  * 4 interleaved streams of one tile read at 20-23 GB/s where one row at a time reads at 29-44 GB/s
  * (bfloat16, one or two x rows, a Zen 4 EPYC, 2 threads; torch's sum over 1 GiB at 30-55 GB/s). */
 #define ROW_ORDER_MAX_ROWS 2
-/* At prefill sizes: rows of x are taken ROW_BLOCK at a time (they stay in L2) against CHUNK_BYTES of
+/* With many rows: rows of x are taken ROW_BLOCK at a time (they stay in L2) against CHUNK_BYTES of
  * weight tiles at a time (in L2 too), every row block against one chunk before the next chunk, so
  * each weight is read from memory once and x from L3. */
 #define ROW_BLOCK 48
@@ -168,173 +166,147 @@ SMALL_M_GEMM(_bf16, uint16_t, load_bf16)
  * in L1 (with k = 3072 in bfloat16 they did not, and the loads came from L2 at 0.7x the rate). */
 #define K_CHUNK_BYTES 2048
 
-/* Loading STEP elements as one vector: unmasked, or the first k % STEP under a mask (the tail). */
-AVX512_BF16_TARGET static ALWAYS_INLINE __m512 vec_f32(const float* p, __mmask16 m, int full) {
+/* Loading 16 elements as one vector: unmasked, or the first k % 16 under a mask (the tail). */
+AVX512_TARGET static ALWAYS_INLINE __m512 vec_f32(const float* p, __mmask16 m, int full) {
     return full ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
 }
 
-AVX512_BF16_TARGET static ALWAYS_INLINE __m512i vec_bf16(const uint16_t* p, __mmask32 m, int full) {
-    return full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(m, p);
-}
-
-AVX512_BF16_TARGET static ALWAYS_INLINE __m512 madd_f32(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
-
-AVX512_BF16_TARGET static ALWAYS_INLINE __m512 madd_bf16(__m512 acc, __m512i w, __m512i x) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
-}
-
-/* Writing sums: float32 as they are; bfloat16 rounded to nearest even by vcvtneps2bf16, as torch's
- * conversion rounds (subnormal results aside: the instruction flushes them to zero), so no float32
- * copy of the output is made and converted: at prefill sizes that copy is tens of MB of fresh pages
- * each call. */
-AVX512_BF16_TARGET static ALWAYS_INLINE void store4_f32(float* y, __m128 v) { _mm_storeu_ps(y, v); }
-AVX512_BF16_TARGET static ALWAYS_INLINE void store1_f32(float* y, float v) { *y = v; }
-
-AVX512_BF16_TARGET static ALWAYS_INLINE void store4_bf16(uint16_t* y, __m128 v) {
-    _mm_storel_epi64((__m128i*)y, (__m128i)_mm_cvtneps_pbh(v));
-}
-
-AVX512_BF16_TARGET static ALWAYS_INLINE void store1_bf16(uint16_t* y, float v) {
-    *y = (uint16_t)_mm_extract_epi16((__m128i)_mm_cvtneps_pbh(_mm_set_ss(v)), 0);
-}
+AVX512_TARGET static ALWAYS_INLINE __m512 madd_f32(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
 
 /* acc[i][j] over the whole of k for weight rows w[i] (i < TN) and x rows x[j] (j < TM): the TM x
  * vectors of a step are loaded once, then each weight vector once and multiplied into its TM
  * accumulators (24 + 6 + 1 of the 32 registers). TN and TM are constants at every call site, so the
  * loops unroll and the accumulators stay in registers. */
-#define SMALL_M_TILE512(S, T, V, STEP, MASK_T, LOADV, MADD, Y, STORE4, STORE1)                                              \
-AVX512_BF16_TARGET static ALWAYS_INLINE void step512##S(__m512 a[TN4][TM6], const T* x, const T* w, size_t k, \
-                                                   size_t p, MASK_T mask, int full, const int TN, const int TM) { \
-    V xv[TM6];                                                                                           \
-    for (int j = 0; j < TM; j++) xv[j] = LOADV(x + j * k + p, mask, full);                              \
-    for (int i = 0; i < TN; i++) {                                                                       \
-        V wv = LOADV(w + i * k + p, mask, full);                                                         \
-        for (int j = 0; j < TM; j++) a[i][j] = MADD(a[i][j], wv, xv[j]);                                 \
-    }                                                                                                    \
-}                                                                                                        \
-                                                                                                         \
-/* The tile's sums over k in [p0, p1): started from zero (p0 == 0) or from the vectors saved in `save`,  \
- * and finished (p1 == k: reduced, bias added, stored) or saved again. Saving and reloading a vector is   \
- * exact, so a chunked k gives the same bits as one pass. */                                             \
-AVX512_BF16_TARGET static ALWAYS_INLINE void tile512##S(const T* x, const T* w, size_t k, size_t p0, size_t p1, \
-                                                   __m512* save, const float* bias, Y* y, size_t n,      \
-                                                   const int TN, const int TM, const char* ahead,        \
-                                                   long line0, long lines) {                             \
-    __m512 a[TN4][TM6];                                                                                  \
-    for (int i = 0; i < TN; i++)                                                                         \
-        for (int j = 0; j < TM; j++) a[i][j] = p0 ? save[i * TM6 + j] : _mm512_setzero_ps();             \
-    size_t p = p0;                                                                                       \
-    if (TM <= ROW_ORDER_MAX_ROWS) {                                                                      \
-        /* few x rows: each weight row read start to end in turn, one stream at a time; the same      \
-         * multiply-adds in the same order as the interleaved loop below, so the same bits */          \
-        const MASK_T tail = (MASK_T)(((uint64_t)1 << ((p1 - p0) % STEP)) - 1);                           \
-        for (int i = 0; i < TN; i++) {                                                                   \
-            size_t q = p0;                                                                               \
-            for (; q + STEP <= p1; q += STEP) {                                                          \
-                V wv = LOADV(w + i * k + q, 0, 1);                                                       \
-                for (int j = 0; j < TM; j++) a[i][j] = MADD(a[i][j], wv, LOADV(x + j * k + q, 0, 1));   \
-            }                                                                                            \
-            if (q < p1) {                                                                                \
-                V wv = LOADV(w + i * k + q, tail, 0);                                                    \
-                for (int j = 0; j < TM; j++) a[i][j] = MADD(a[i][j], wv, LOADV(x + j * k + q, tail, 0)); \
-            }                                                                                            \
-        }                                                                                                \
-        p = p1;                                                                                          \
-    }                                                                                                    \
-    if (ahead) {                                                                                         \
-        /* this pass's share of the next tile, `lines` lines spread evenly over its steps */             \
-        const long steps = (long)((p1 - p) / STEP);                                                      \
-        long line = line0, owed = 0;                                                                     \
-        for (; p + STEP <= p1; p += STEP) {                                                              \
-            for (owed += lines; owed >= steps; owed -= steps) _mm_prefetch(ahead + 64 * line++, _MM_HINT_T0); \
-            step512##S(a, x, w, k, p, 0, 1, TN, TM);                                                     \
-        }                                                                                                \
-        for (; line < line0 + lines; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);               \
-    }                                                                                                    \
-    for (; p + STEP <= p1; p += STEP) step512##S(a, x, w, k, p, 0, 1, TN, TM);                           \
-    if (p < p1) step512##S(a, x, w, k, p, (MASK_T)(((uint64_t)1 << (p1 - p)) - 1), 0, TN, TM);           \
-    if (p1 < k) {                                                                                        \
-        for (int i = 0; i < TN; i++)                                                                     \
-            for (int j = 0; j < TM; j++) save[i * TM6 + j] = a[i][j];                                    \
-        return;                                                                                          \
-    }                                                                                                    \
-    for (int j = 0; j < TM; j++) {                                                                       \
-        if (TN == TN4) {                                                                                 \
-            __m128 sums = reduce4(a[0][j], a[1][j], a[2][j], a[3][j]);                                   \
-            if (bias) sums = _mm_add_ps(sums, _mm_loadu_ps(bias));                                       \
-            STORE4(y + j * n, sums);                                                                     \
-        } else {                                                                                         \
-            for (int i = 0; i < TN; i++) STORE1(y + j * n + i, _mm512_reduce_add_ps(a[i][j]) + bias_at(bias, i)); \
-        }                                                                                                \
-    }                                                                                                    \
-}                                                                                                        \
-                                                                                                         \
-/* All m rows (at most ROW_BLOCK: the saved sums are sized for it) against TN weight rows, six rows at a \
- * time, k in chunks of K_CHUNK_BYTES per row so that a row group and the weight tile stay in L1 together.\
- * `ahead`: the next tile (TN4 contiguous rows), or NULL; its lines are requested spread evenly over every\
- * interleaved pass (chunk x row group) of this tile, so memory keeps busy while the groups after the first\
- * reuse this tile from L1: requested all in the first group, they queued behind one another there, and the\
- * later groups then ran with no memory traffic in flight. */                                            \
-AVX512_BF16_TARGET static ALWAYS_INLINE void rows512##S(const T* x, const T* w, size_t k, const float* bias,   \
-                                                   Y* y, size_t n, long m, const int TN, const T* ahead) { \
-    __m512 save[(ROW_BLOCK + TM6 - 1) / TM6][TN4 * TM6];                                                 \
-    /* one row of x stays in L1 whatever k: no chunks, so each weight row is one sequential read */     \
-    const size_t kc = m == 1 ? k : K_CHUNK_BYTES / sizeof(T);                                            \
-    /* passes that take a share of the prefetching: the interleaved ones (not a row-order tail group) */ \
-    const long groups = m / TM6 + (m % TM6 > ROW_ORDER_MAX_ROWS);                                        \
-    const long passes = groups * (long)((k + kc - 1) / kc);                                              \
-    const long lines = ahead ? (long)((TN4 * k * sizeof(T) + 63) / 64) : 0;                              \
-    long pass = 0;                                                                                       \
-    for (size_t p0 = 0; p0 < k; p0 += kc) {                                                              \
-        size_t p1 = p0 + kc < k ? p0 + kc : k;                                                           \
-        for (long r = 0; r < m; r += TM6) {                                                              \
-            const int tm = m - r < TM6 ? (int)(m - r) : TM6;                                             \
-            const char* next = tm > ROW_ORDER_MAX_ROWS && lines ? (const char*)ahead : NULL;              \
-            const long first = next ? pass * lines / passes : 0;                                         \
-            const long count = next ? (pass + 1) * lines / passes - first : 0;                           \
-            pass += next != NULL;                                                                        \
-            switch (tm) {                                                                                \
-                case 6: tile512##S(x + r * k, w, k, p0, p1, save[r / TM6], bias, y + r * n, n, TN, 6, next, first, count); break; \
-                case 5: tile512##S(x + r * k, w, k, p0, p1, save[r / TM6], bias, y + r * n, n, TN, 5, next, first, count); break; \
-                case 4: tile512##S(x + r * k, w, k, p0, p1, save[r / TM6], bias, y + r * n, n, TN, 4, next, first, count); break; \
-                case 3: tile512##S(x + r * k, w, k, p0, p1, save[r / TM6], bias, y + r * n, n, TN, 3, next, first, count); break; \
-                case 2: tile512##S(x + r * k, w, k, p0, p1, save[r / TM6], bias, y + r * n, n, TN, 2, NULL, 0, 0); break; \
-                default: tile512##S(x + r * k, w, k, p0, p1, save[r / TM6], bias, y + r * n, n, TN, 1, NULL, 0, 0); break; \
-            }                                                                                            \
-        }                                                                                                \
-    }                                                                                                    \
-}                                                                                                        \
-                                                                                                         \
-AVX512_BF16_TARGET void small_m_gemm_avx512##S(const T* x, const T* w, const float* bias, Y* y,          \
-                                               long m, long n, long k, int threads) {                    \
-    long tiles = n / TN4;                                                                                \
-    _Pragma("omp parallel num_threads(threads)")                                                         \
-    {                                                                                                    \
-        /* each thread its share of the weight tiles (as schedule(static) would split them), a chunk   \
-         * at a time: every row block runs over a chunk while it sits in L2 */                          \
-        int nt = omp_get_num_threads(), id = omp_get_thread_num();                                       \
-        long t_begin = tiles * id / nt, t_end = tiles * (id + 1) / nt;                                   \
-        long chunk = CHUNK_BYTES / (TN4 * k * (long)sizeof(T));                                          \
-        if (chunk < 1) chunk = 1;                                                                        \
-        for (long c = t_begin; c < t_end; c += chunk) {                                                  \
-            long c_end = c + chunk < t_end ? c + chunk : t_end;                                          \
-            for (long r0 = 0; r0 < m; r0 += ROW_BLOCK) {                                                 \
-                long mb = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;                                       \
-                for (long t = c; t < c_end; t++) {                                                       \
-                    size_t i = (size_t)t * TN4;                                                          \
-                    rows512##S(x + r0 * k, w + i * (size_t)k, (size_t)k, bias ? bias + i : NULL,         \
-                               y + r0 * n + i, (size_t)n, mb, TN4,                                       \
-                               mb >= PREFETCH_MIN_ROWS && t + 1 < t_end ? w + (i + TN4) * (size_t)k : NULL); \
-                }                                                                                        \
-            }                                                                                            \
-        }                                                                                                \
-        if (id == nt - 1)                                                                                \
-            for (long i = tiles * TN4; i < n; i++)                                                       \
-                for (long r0 = 0; r0 < m; r0 += ROW_BLOCK)                                               \
-                    rows512##S(x + r0 * k, w + i * (size_t)k, (size_t)k, bias ? bias + i : NULL, y + r0 * n + i, \
-                               (size_t)n, m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK, 1, NULL);             \
-    }                                                                                                    \
+AVX512_TARGET static ALWAYS_INLINE void step512(__m512 a[TN4][TM6], const float* x, const float* w, size_t k,
+                                                   size_t p, __mmask16 mask, int full, const int TN, const int TM) {
+    __m512 xv[TM6];
+    for (int j = 0; j < TM; j++) xv[j] = vec_f32(x + j * k + p, mask, full);
+    for (int i = 0; i < TN; i++) {
+        __m512 wv = vec_f32(w + i * k + p, mask, full);
+        for (int j = 0; j < TM; j++) a[i][j] = madd_f32(a[i][j], wv, xv[j]);
+    }
 }
 
-SMALL_M_TILE512(, float, __m512, 16, __mmask16, vec_f32, madd_f32, float, store4_f32, store1_f32)
-SMALL_M_TILE512(_bf16, uint16_t, __m512i, 32, __mmask32, vec_bf16, madd_bf16, uint16_t, store4_bf16, store1_bf16)
+/* The tile's sums over k in [p0, p1): started from zero (p0 == 0) or from the vectors saved in `save`,
+ * and finished (p1 == k: reduced, bias added, stored) or saved again. Saving and reloading a vector is
+ * exact, so a chunked k gives the same bits as one pass. */
+AVX512_TARGET static ALWAYS_INLINE void tile512(const float* x, const float* w, size_t k, size_t p0, size_t p1,
+                                                   __m512* save, const float* bias, float* y, size_t n,
+                                                   const int TN, const int TM, const char* ahead,
+                                                   long line0, long lines) {
+    __m512 a[TN4][TM6];
+    for (int i = 0; i < TN; i++)
+        for (int j = 0; j < TM; j++) a[i][j] = p0 ? save[i * TM6 + j] : _mm512_setzero_ps();
+    size_t p = p0;
+    if (TM <= ROW_ORDER_MAX_ROWS) {
+        /* few x rows: each weight row read start to end in turn, one stream at a time; the same
+         * multiply-adds in the same order as the interleaved loop below, so the same bits */
+        const __mmask16 tail = (__mmask16)(((uint64_t)1 << ((p1 - p0) % 16)) - 1);
+        for (int i = 0; i < TN; i++) {
+            size_t q = p0;
+            for (; q + 16 <= p1; q += 16) {
+                __m512 wv = vec_f32(w + i * k + q, 0, 1);
+                for (int j = 0; j < TM; j++) a[i][j] = madd_f32(a[i][j], wv, vec_f32(x + j * k + q, 0, 1));
+            }
+            if (q < p1) {
+                __m512 wv = vec_f32(w + i * k + q, tail, 0);
+                for (int j = 0; j < TM; j++) a[i][j] = madd_f32(a[i][j], wv, vec_f32(x + j * k + q, tail, 0));
+            }
+        }
+        p = p1;
+    }
+    if (ahead) {
+        /* this pass's share of the next tile, `lines` lines spread evenly over its steps */
+        const long steps = (long)((p1 - p) / 16);
+        long line = line0, owed = 0;
+        for (; p + 16 <= p1; p += 16) {
+            for (owed += lines; owed >= steps; owed -= steps) _mm_prefetch(ahead + 64 * line++, _MM_HINT_T0);
+            step512(a, x, w, k, p, 0, 1, TN, TM);
+        }
+        for (; line < line0 + lines; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+    }
+    for (; p + 16 <= p1; p += 16) step512(a, x, w, k, p, 0, 1, TN, TM);
+    if (p < p1) step512(a, x, w, k, p, (__mmask16)(((uint64_t)1 << (p1 - p)) - 1), 0, TN, TM);
+    if (p1 < k) {
+        for (int i = 0; i < TN; i++)
+            for (int j = 0; j < TM; j++) save[i * TM6 + j] = a[i][j];
+        return;
+    }
+    for (int j = 0; j < TM; j++) {
+        if (TN == TN4) {
+            __m128 sums = reduce4(a[0][j], a[1][j], a[2][j], a[3][j]);
+            if (bias) sums = _mm_add_ps(sums, _mm_loadu_ps(bias));
+            _mm_storeu_ps(y + j * n, sums);
+        } else {
+            for (int i = 0; i < TN; i++) y[j * n + i] = _mm512_reduce_add_ps(a[i][j]) + bias_at(bias, i);
+        }
+    }
+}
+
+/* All m rows (at most ROW_BLOCK: the saved sums are sized for it) against TN weight rows, six rows at a
+ * time, k in chunks of K_CHUNK_BYTES per row so that a row group and the weight tile stay in L1 together.
+ * `ahead`: the next tile (TN4 contiguous rows), or NULL; its lines are requested spread evenly over every
+ * interleaved pass (chunk x row group) of this tile, so memory keeps busy while the groups after the first
+ * reuse this tile from L1: requested all in the first group, they queued behind one another there, and the
+ * later groups then ran with no memory traffic in flight. */
+AVX512_TARGET static ALWAYS_INLINE void rows512(const float* x, const float* w, size_t k, const float* bias,
+                                                   float* y, size_t n, long m, const int TN, const float* ahead) {
+    __m512 save[(ROW_BLOCK + TM6 - 1) / TM6][TN4 * TM6];
+    /* one row of x stays in L1 whatever k: no chunks, so each weight row is one sequential read */
+    const size_t kc = m == 1 ? k : K_CHUNK_BYTES / sizeof(float);
+    /* passes that take a share of the prefetching: the interleaved ones (not a row-order tail group) */
+    const long groups = m / TM6 + (m % TM6 > ROW_ORDER_MAX_ROWS);
+    const long passes = groups * (long)((k + kc - 1) / kc);
+    const long lines = ahead ? (long)((TN4 * k * sizeof(float) + 63) / 64) : 0;
+    long pass = 0;
+    for (size_t p0 = 0; p0 < k; p0 += kc) {
+        size_t p1 = p0 + kc < k ? p0 + kc : k;
+        for (long r = 0; r < m; r += TM6) {
+            const int tm = m - r < TM6 ? (int)(m - r) : TM6;
+            const char* next = tm > ROW_ORDER_MAX_ROWS && lines ? (const char*)ahead : NULL;
+            const long first = next ? pass * lines / passes : 0;
+            const long count = next ? (pass + 1) * lines / passes - first : 0;
+            pass += next != NULL;
+            switch (tm) {
+                case 6: tile512(x + r * k, w, k, p0, p1, save[r / TM6], bias, y + r * n, n, TN, 6, next, first, count); break;
+                case 5: tile512(x + r * k, w, k, p0, p1, save[r / TM6], bias, y + r * n, n, TN, 5, next, first, count); break;
+                case 4: tile512(x + r * k, w, k, p0, p1, save[r / TM6], bias, y + r * n, n, TN, 4, next, first, count); break;
+                case 3: tile512(x + r * k, w, k, p0, p1, save[r / TM6], bias, y + r * n, n, TN, 3, next, first, count); break;
+                case 2: tile512(x + r * k, w, k, p0, p1, save[r / TM6], bias, y + r * n, n, TN, 2, NULL, 0, 0); break;
+                default: tile512(x + r * k, w, k, p0, p1, save[r / TM6], bias, y + r * n, n, TN, 1, NULL, 0, 0); break;
+            }
+        }
+    }
+}
+
+AVX512_TARGET void small_m_gemm_avx512(const float* x, const float* w, const float* bias, float* y,
+                                               long m, long n, long k, int threads) {
+    long tiles = n / TN4;
+    #pragma omp parallel num_threads(threads)
+    {
+        /* each thread its share of the weight tiles (as schedule(static) would split them), a chunk
+         * at a time: every row block runs over a chunk while it sits in L2 */
+        int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        long t_begin = tiles * id / nt, t_end = tiles * (id + 1) / nt;
+        long chunk = CHUNK_BYTES / (TN4 * k * (long)sizeof(float));
+        if (chunk < 1) chunk = 1;
+        for (long c = t_begin; c < t_end; c += chunk) {
+            long c_end = c + chunk < t_end ? c + chunk : t_end;
+            for (long r0 = 0; r0 < m; r0 += ROW_BLOCK) {
+                long mb = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;
+                for (long t = c; t < c_end; t++) {
+                    size_t i = (size_t)t * TN4;
+                    rows512(x + r0 * k, w + i * (size_t)k, (size_t)k, bias ? bias + i : NULL,
+                               y + r0 * n + i, (size_t)n, mb, TN4,
+                               mb >= PREFETCH_MIN_ROWS && t + 1 < t_end ? w + (i + TN4) * (size_t)k : NULL);
+                }
+            }
+        }
+        if (id == nt - 1)
+            for (long i = tiles * TN4; i < n; i++)
+                for (long r0 = 0; r0 < m; r0 += ROW_BLOCK)
+                    rows512(x + r0 * k, w + i * (size_t)k, (size_t)k, bias ? bias + i : NULL, y + r0 * n + i,
+                               (size_t)n, m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK, 1, NULL);
+    }
+}
+

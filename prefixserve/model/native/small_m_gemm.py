@@ -4,7 +4,8 @@ Decode steps multiply a few rows (1-64) by each weight; on this project's CPUs t
 library GEMMs reach a third to a half of the memory bandwidth there, and this kernel,
 which reads every weight row once, reaches nearly all of it, and with many rows keeps
 the multiply units busy (see docs/architecture.md). The C file has three bodies; the
-widest one the CPU runs is used (`best_isa`).
+widest one the CPU runs is used (`best_isa`). Row-major weights only: where the CPU has
+avx512_bf16, bfloat16 projections are packed for `packed_gemm` instead.
 """
 from __future__ import annotations
 
@@ -21,31 +22,14 @@ K_MULTIPLE = 8          # one AVX2 register of float32
 DTYPES = (torch.float32, torch.bfloat16)
 
 # Rows up to which each body beats the library GEMM; beyond, the library's packing and blocking win.
-# AVX2: crossover ~32-48 rows (AMD EPYC Zen 4, 2 threads). AVX-512 bodies, on the 0.6B model's
-# projection shapes with weights streamed from memory (Zen 5 EPYC, 2 threads, 2026-12-01): float32
-# 1.3-1.5x oneDNN and bfloat16 1.4-2.4x at 16-96 rows; 64 keeps the kernel's share to decode-sized
-# batches.
+# AVX2: crossover ~32-48 rows (AMD EPYC Zen 4, 2 threads). AVX-512 float32, on the 0.6B model's
+# projection shapes with weights streamed from memory (Zen 5 EPYC, 2 threads, 2026-12-01): 1.3-1.5x
+# oneDNN at 16-96 rows; 64 keeps the kernel's share to decode-sized batches.
 MAX_ROWS_BY_ISA = {AVX2: 32, AVX512: 64, AVX512_BF16: 64}
 
 # Fixed per process (the CPU's features, not a timing), so the same rows always take the same kernel.
 BEST_ISA = best_isa()
 MAX_ROWS = MAX_ROWS_BY_ISA[BEST_ISA]
-
-
-def max_rows(dtype: torch.dtype) -> int | None:
-    """Rows up to which `linear` takes this kernel for `dtype`; None: every row count.
-
-    bfloat16 with the dot-product body takes every product, prefill included: one kernel whose row
-    results do not depend on the batch makes prefix caching exact. A cached prefix changes which
-    rows share a product (16 suffixes in one chunk, not 16 whole prompts), and where the few-row
-    and library kernels differed in a row's last float32 bit, bfloat16's rounding turned it into a
-    visible difference: 5-8 of 16 long-doc-qa requests on random:qwen3-0.6b decoded other tokens
-    with caching off. The cost: at prefill sizes this kernel runs at 0.8-0.95x oneDNN's rate (Zen 5
-    EPYC, 2 threads). float32's last-bit differences stay below its greedy tokens' margins (the
-    same workload: 16 of 16 identical), so float32 keeps the library GEMM for many rows."""
-    if dtype == torch.bfloat16 and BEST_ISA == AVX512_BF16:
-        return None
-    return MAX_ROWS
 
 
 class SmallMGemm:
@@ -57,11 +41,10 @@ class SmallMGemm:
             raise ValueError(f"unknown instruction set {self.isa!r}; one of {sorted(MAX_ROWS_BY_ISA)}")
         self._library = library
         avx512 = self.isa in (AVX512, AVX512_BF16)
+        # bfloat16 weights: the AVX2 body widens each weight to float32 (AVX-512 CPUs too: their bfloat16
+        # projections are packed for packed_gemm wherever vdpbf16ps exists)
         self._fns = {torch.float32: library.small_m_gemm_avx512 if avx512 else library.small_m_gemm,
-                     torch.bfloat16: (library.small_m_gemm_avx512_bf16 if self.isa == AVX512_BF16
-                                      else library.small_m_gemm_bf16)}
-        # vdpbf16ps multiplies bfloat16 x directly; the other bodies widen x to float32 first
-        self._bf16_x = self.isa == AVX512_BF16
+                     torch.bfloat16: library.small_m_gemm_bf16}
         for fn in self._fns.values():
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
@@ -72,8 +55,7 @@ class SmallMGemm:
 
     @staticmethod
     def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        limit = max_rows(x.dtype)
-        return (x.dim() == 2 and (limit is None or x.shape[0] <= limit) and x.shape[1] % K_MULTIPLE == 0
+        return (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.shape[1] % K_MULTIPLE == 0
                 and x.device.type == "cpu" and x.dtype in DTYPES and weight.dtype == x.dtype
                 and x.is_contiguous() and weight.is_contiguous() and weight.device.type == "cpu"
                 and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
@@ -87,14 +69,7 @@ class SmallMGemm:
         if x.dtype not in DTYPES or weight.dtype != x.dtype:
             raise ValueError(f"x {x.dtype} and weight {weight.dtype} must both be float32 or both bfloat16")
         bias = None if bias is None else bias.float()
-        if self._bf16_x and x.dtype == torch.bfloat16:
-            # the dot-product body multiplies bfloat16 x and writes y rounded to bfloat16 itself
-            y = torch.empty(m, n, dtype=torch.bfloat16)
-            self._fns[x.dtype](x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                               y.data_ptr(), m, n, k, torch.get_num_threads())
-            return y
-        # the other bodies read bfloat16 weights only: x is widened here, y accumulated in float32 and
-        # rounded once
+        # bfloat16: x is widened here, y accumulated in float32 and rounded once
         xf = x.float()
         y = torch.empty(m, n, dtype=torch.float32)
         self._fns[x.dtype](xf.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
@@ -103,8 +78,8 @@ class SmallMGemm:
 
 
 def runnable_isas() -> tuple[str, ...]:
-    """The bodies this CPU runs, AVX2 first."""
-    return (AVX2, AVX512, AVX512_BF16)[:(AVX2, AVX512, AVX512_BF16).index(BEST_ISA) + 1]
+    """The distinct bodies this CPU runs, AVX2 first (avx512_bf16 adds no body here: see packed_gemm)."""
+    return (AVX2,) if BEST_ISA == AVX2 else (AVX2, AVX512)
 
 
 def _agrees_with_torch(kernel: SmallMGemm) -> bool:

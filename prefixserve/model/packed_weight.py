@@ -1,0 +1,90 @@
+"""Projection weights re-laid once, at load, for the packed bfloat16 GEMM (`native/packed_gemm.c`).
+
+On a CPU with avx512_bf16 a bfloat16 model's projections (q/k/v, o, gate/up, down, the LM head) are
+packed in place: the row-major parameter is replaced by a `PackedWeight` holding the same values in
+the kernel's panel layout, one copy, never both. Where the LM head is tied to the embedding, the
+embedding lookup reads its rows out of the packed panels (`embedding`), so the tied matrix is not kept
+twice either. Whoever needs the matrix itself (exporting a checkpoint) gets `unpacked()`, a copy.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixserve.model.huge_pages import zeros_on_huge_pages
+from prefixserve.model.native import packed_gemm
+
+
+class PackedWeight(nn.Module):
+    """A bfloat16 weight [out_features, in_features] in panels of `packed_gemm.PANEL` output columns."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        if not applies(weight):
+            raise ValueError(f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)} on "
+                             f"{weight.device}: 2-D bfloat16 on the CPU with an even row length")
+        self.out_features, self.in_features = weight.shape
+        panels = zeros_on_huge_pages((-(-self.out_features // packed_gemm.PANEL), self.in_features // 2,
+                                      packed_gemm.PANEL, 2), dtype=weight.dtype, device=weight.device)
+        self.panels = nn.Parameter(packed_gemm.pack(weight.detach(), panels), requires_grad=False)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.panels.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.panels.device
+
+    def extra_repr(self) -> str:
+        return f"out_features={self.out_features}, in_features={self.in_features}, dtype={self.dtype}"
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] @ W.T (+ bias), like F.linear."""
+        kernel = packed_gemm.default_kernel()
+        if kernel is None:
+            raise RuntimeError("packed weights need the packed_gemm kernel, which this process cannot load")
+        flat = x.reshape(-1, self.in_features).contiguous()
+        return kernel(flat, self.panels, self.out_features, bias).view(*x.shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """W[ids] (an embedding lookup), gathered out of the panels."""
+        ids = ids.reshape(-1)
+        picked = self.panels[ids // packed_gemm.PANEL, :, ids % packed_gemm.PANEL, :]
+        return picked.reshape(ids.numel(), self.in_features)
+
+    def unpacked(self) -> torch.Tensor:
+        """The row-major matrix, a new tensor."""
+        flat = self.panels.permute(0, 2, 1, 3).reshape(-1, self.in_features)
+        return flat[:self.out_features].clone()
+
+
+def applies(weight: torch.Tensor) -> bool:
+    """Whether `weight` can be packed: what the kernel takes, on a CPU that runs it."""
+    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.shape[1] % 2 == 0 and packed_gemm.default_kernel() is not None)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
+    """F.embedding(ids, weight), for a row-major or a packed weight."""
+    if isinstance(weight, PackedWeight):
+        return weight.rows(ids).view(*ids.shape, weight.in_features)
+    return F.embedding(ids, weight)
+
+
+def matrix(weight: torch.Tensor | PackedWeight) -> torch.Tensor:
+    """The row-major matrix: the weight itself, or a packed weight's unpacked copy."""
+    return weight.unpacked() if isinstance(weight, PackedWeight) else weight
+
+
+def pack_attribute(module: nn.Module, name: str) -> PackedWeight:
+    """Replaces the parameter `module.name` by its packed form, dropping the row-major one."""
+    packed = PackedWeight(getattr(module, name))
+    delattr(module, name)
+    setattr(module, name, packed)
+    return packed

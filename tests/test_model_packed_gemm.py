@@ -1,0 +1,149 @@
+"""The packed bfloat16 GEMM and the packed weights it reads (native/packed_gemm.c, model/packed_weight.py).
+
+Against float64 products of the same bfloat16 operands, over shapes that cut the 6-row groups and the
+64-column panels at every edge; bit for bit, a row's result whatever the rows beside it and the thread
+count (what exact prefix caching in bfloat16 rests on); and packing as a change of layout only: the
+values come back out exactly, the embedding lookup reads the packed LM head, and a packed model holds
+no second copy of any weight.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from native_kernel_build import build_fresh
+from prefixserve.model.hf_weights import hf_weight_targets
+from prefixserve.model.linear import linear
+from prefixserve.model.loader import load_model
+from prefixserve.model.native import build, packed_gemm
+from prefixserve.model.native.isa import AVX512, AVX512_BF16, best_isa
+from prefixserve.model.packed_weight import PackedWeight, embedding
+from prefixserve.model.random_models import random_model
+
+PANEL = packed_gemm.PANEL
+needs_bf16 = pytest.mark.skipif(best_isa() != AVX512_BF16, reason="needs a CPU with avx512_bf16")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory) -> packed_gemm.PackedGemm:
+    if best_isa() != AVX512_BF16:
+        pytest.skip("needs a CPU with avx512_bf16")
+    return build_fresh(packed_gemm.load, tmp_path_factory)
+
+
+def packed(w: torch.Tensor) -> torch.Tensor:
+    n, k = w.shape
+    return packed_gemm.pack(w, torch.full((-(-n // PANEL), k // 2, PANEL, 2), float("nan"), dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 64, 130])
+@pytest.mark.parametrize("n, k", [(1, 2), (13, 24), (64, 1024), (70, 136), (200, 3072)])
+def test_the_product_of_the_exact_operands_rounded_once(kernel, m: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(m * 7919 + n * 31 + k)
+    x, w = torch.randn(m, k, generator=gen).bfloat16(), torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    for bias in (None, b):
+        got = kernel(x, packed(w), n, bias)
+        exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+        terms = x.double().abs() @ w.double().abs().T
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        # float32 sums of exact products (~k roundings of 2^-24 of the terms), then one rounding to
+        # bfloat16 (half an ulp: 2^-8 relative); the NaNs in the last panel's unused columns reach nothing
+        assert ((got.double() - exact).abs() <= 2.0 ** -8 * exact.abs() + k * 2.0 ** -24 * terms + 1e-30).all()
+
+
+@needs_bf16
+def test_a_rows_bits_do_not_depend_on_the_batch_on_the_models_shapes() -> None:
+    """A prompt's rows are computed in chunks of other sizes with caching on than off, so a row must
+    get the same bits in a batch of any size and at any place in it, from decode to prefill sizes, on
+    the 0.6B model's projection shapes (through `linear`, as the model calls it)."""
+    gen = torch.Generator().manual_seed(11)
+    for k, n in [(1024, 4096), (3072, 1024)]:
+        w = PackedWeight((torch.randn(n, k, generator=gen) * 0.05).bfloat16())
+        rows = torch.randn(700, k, generator=gen).bfloat16()
+        alone = torch.cat([linear(rows[r:r + 1], w) for r in (0, 5, 6, 7, 699)])
+        for m in (2, 6, 7, 47, 64, 65, 130, 700):
+            batch = linear(rows[:m], w)
+            assert torch.equal(batch[:1], alone[:1]), (k, n, m)
+            picked = [i for i, r in enumerate((0, 5, 6, 7, 699)) if r < m]
+            assert torch.equal(batch[[(0, 5, 6, 7, 699)[i] for i in picked]], alone[picked]), (k, n, m)
+        shifted = linear(rows[3:133].contiguous(), w)     # every row in another place of its row group
+        assert torch.equal(shifted[2:5], alone[1:4])
+
+
+def test_threads_split_the_panels_without_overlap(kernel) -> None:
+    """Every output written once whatever the thread count: a missed or doubled panel shows."""
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(9, 64, generator=gen).bfloat16(), torch.randn(PANEL * 5 + 3, 64, generator=gen).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3, 7):
+            torch.set_num_threads(threads)
+            results.append(kernel(x, packed(w), w.shape[0]))
+        torch.testing.assert_close(results[0].double(), x.double() @ w.double().T, rtol=1e-2, atol=1e-2)
+        assert all(torch.equal(r, results[0]) for r in results[1:])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_operands_that_do_not_fit_are_refused(kernel) -> None:
+    w = torch.randn(70, 24).bfloat16()
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel(torch.randn(3, 26).bfloat16(), packed(w), 70)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel(torch.randn(3, 24), packed(w), 70)                 # float32 x
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel(torch.randn(3, 24).bfloat16(), packed(w), 200)     # more columns than the panels hold
+    with pytest.raises(ValueError, match="bias"):
+        kernel(torch.randn(3, 24).bfloat16(), packed(w), 70, torch.zeros(69))
+
+
+@needs_bf16
+@pytest.mark.parametrize("n", [1, 64, 70, 200])
+def test_packing_changes_the_layout_only(n: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    w = torch.randn(n, 24, generator=gen).bfloat16()
+    p = PackedWeight(w)
+    assert p.shape == (n, 24) and p.dtype == torch.bfloat16 and torch.equal(p.unpacked(), w)
+    ids = torch.tensor([[0, n - 1], [n // 2, 0]])
+    assert torch.equal(embedding(ids, p), F.embedding(ids, w))
+    for bad in (w.float(), w[:, :23].contiguous(), w[0]):
+        with pytest.raises(ValueError, match="cannot pack"):
+            PackedWeight(bad)
+
+
+@needs_bf16
+def test_a_bfloat16_model_is_packed_once_with_its_tied_head_shared() -> None:
+    """load_model packs every projection and the head; the embedding reads the packed head, the bytes
+    held are the row-major model's (no copy kept), and the weights read back out are the same values."""
+    loaded = load_model("random:qwen3-tiny", dtype="bfloat16", seed=3)
+    plain = random_model("qwen3-tiny", dtype=torch.bfloat16, device="cpu", seed=3)
+    model = loaded.model
+    assert model.embed_tokens is model.lm_head and isinstance(model.lm_head, PackedWeight)
+    for layer in model.layers:
+        for weight in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                       layer.mlp.down_proj):
+            assert isinstance(weight, PackedWeight)
+    nbytes = lambda m: sum(t.numel() * t.element_size() for t in m.parameters())  # noqa: E731
+    assert nbytes(model) == nbytes(plain)         # every shape of qwen3-tiny is a multiple of the panel
+    ours, theirs = hf_weight_targets(model), hf_weight_targets(plain)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    # the same model through the row-major path: equal up to the kernels' float32 rounding order
+    ids = torch.arange(5, 40)
+    assert torch.equal(embedding(ids, model.embed_tokens), F.embedding(ids, plain.embed_tokens))
+    h = torch.randn(9, model.config.hidden_size).bfloat16()
+    torch.testing.assert_close(model.compute_logits(h), plain.compute_logits(h), rtol=2e-2, atol=2e-2)
+
+
+def test_float32_models_and_cpus_without_avx512_bf16_keep_row_major_weights(monkeypatch) -> None:
+    assert isinstance(load_model("random:qwen3-tiny", dtype="float32").model.lm_head, torch.nn.Parameter)
+    monkeypatch.setattr(build, "best_isa", lambda: AVX512)
+    packed_gemm.default_kernel.cache_clear()
+    try:
+        assert packed_gemm.default_kernel() is None
+        assert build.kernel_status("packed_gemm").reason == build.NO_AVX512_BF16
+        assert isinstance(load_model("random:qwen3-tiny", dtype="bfloat16").model.lm_head, torch.nn.Parameter)
+    finally:
+        packed_gemm.default_kernel.cache_clear()
