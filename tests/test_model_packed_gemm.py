@@ -135,6 +135,21 @@ def test_a_bfloat16_model_is_packed_once_with_its_tied_head_shared() -> None:
     assert torch.equal(embedding(ids, model.embed_tokens), F.embedding(ids, plain.embed_tokens))
     h = torch.randn(9, model.config.hidden_size).bfloat16()
     torch.testing.assert_close(model.compute_logits(h), plain.compute_logits(h), rtol=2e-2, atol=2e-2)
+    assert not model.pack_weights() and model.lm_head is model.embed_tokens   # packed already: nothing to do
+
+
+@needs_bf16
+def test_a_projection_the_kernel_cannot_take_stays_row_major() -> None:
+    """An odd row length (here the down projection's, from an odd intermediate size) is served by the
+    row-major path; the rest of the model is still packed."""
+    plain = random_model("qwen3-tiny", dtype=torch.bfloat16, device="cpu", seed=4)
+    mlp = plain.layers[0].mlp
+    odd = torch.nn.Parameter(torch.randn(mlp.down_proj.shape[0], 127).bfloat16(), requires_grad=False)
+    del mlp.down_proj
+    mlp.down_proj = odd
+    assert plain.pack_weights()
+    assert mlp.down_proj is odd and isinstance(mlp.gate_up_proj, PackedWeight)
+    assert isinstance(plain.layers[1].mlp.down_proj, PackedWeight)
 
 
 def test_float32_models_and_cpus_without_avx512_bf16_keep_row_major_weights(monkeypatch) -> None:

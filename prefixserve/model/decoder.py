@@ -137,20 +137,25 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def pack_weights(self) -> bool:
         """Re-lays every projection and the LM head for the packed bfloat16 GEMM, where the CPU and dtype
-        allow (model/packed_weight.py); True if it did. A tied embedding shares the packed LM head."""
-        if not packing_applies(self.lm_head):
-            return False
-        for layer in self.layers:
-            pack_attribute(layer.self_attn, "qkv_proj")
-            pack_attribute(layer.self_attn, "o_proj")
-            pack_attribute(layer.mlp, "gate_up_proj")
-            pack_attribute(layer.mlp, "down_proj")
-        tied = self.lm_head is self.embed_tokens
-        head = pack_attribute(self, "lm_head")
-        if tied:
-            del self.embed_tokens
-            self.embed_tokens = head
-        return True
+        allow (model/packed_weight.py); True if it packed any. A tied embedding shares the packed LM head.
+        Packed weights are left as they are, so a second call changes nothing."""
+        projections = [(module, name) for layer in self.layers
+                       for module, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                                            (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj"))]
+        packed = False
+        for module, name in projections:
+            # a shape the kernel cannot take (an odd row length) stays row-major
+            if packing_applies(getattr(module, name)):
+                pack_attribute(module, name)
+                packed = True
+        if packing_applies(self.lm_head):
+            tied = self.lm_head is self.embed_tokens
+            head = pack_attribute(self, "lm_head")
+            if tied:
+                del self.embed_tokens
+                self.embed_tokens = head
+            packed = True
+        return packed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the given rows only (the caller selects the rows to sample)."""

@@ -64,9 +64,9 @@ class PackedWeight(nn.Module):
         return flat[:self.out_features].clone()
 
 
-def applies(weight: torch.Tensor) -> bool:
-    """Whether `weight` can be packed: what the kernel takes, on a CPU that runs it."""
-    return (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+def applies(weight: torch.Tensor | PackedWeight) -> bool:
+    """Whether `weight` can be packed: a row-major tensor the kernel takes, on a CPU that runs it."""
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
             and weight.shape[1] % 2 == 0 and packed_gemm.default_kernel() is not None)
 
 
