@@ -79,7 +79,7 @@ def to_markdown(res: BenchResults) -> str:
     lines += ["## The machine's limits (measured in this run)", "",
               "| figure | value |", "|---|---|"]
     for n, flops in sorted(lim.matmul_by_size.items()):
-        lines.append(f"| matmul {lim.dtype}, n = {n} (faster of torch.mm, oneDNN linear), at the start | "
+        lines.append(f"| matmul {lim.dtype}, n = {n} (faster of torch.mm and the projections' kernel), at the start | "
                      f"{flops / 1e9:.1f} GFLOP/s |")
     lines.append(f"| memory bandwidth (sum over {'256 MiB' if c.quick else '1 GiB'}), at the start | "
                  f"{lim.bandwidth_bytes / 1e9:.1f} GB/s |")
