@@ -45,8 +45,7 @@ AVX512_BF16_TARGET static ALWAYS_INLINE void tile(const uint16_t* x, size_t k, c
     const long steps = (long)(k / 2);
     long line = first, owed = 0;
     for (long p = 0; p < steps; p++) {
-        if (ahead)
-            for (owed += lines; owed >= steps; owed -= steps) _mm_prefetch(ahead + 64 * line++, _MM_HINT_T0);
+        if (ahead) request_share(ahead, lines, steps, &line, &owed);
         const uint16_t* wq = panel + (size_t)p * 2 * PANEL;
         __m512i w[VECS];
         for (int v = 0; v < VECS; v++) w[v] = _mm512_loadu_si512(wq + 32 * v);

@@ -171,19 +171,17 @@ AVX512_TARGET static ALWAYS_INLINE __m512 vec_f32(const float* p, __mmask16 m, i
     return full ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
 }
 
-AVX512_TARGET static ALWAYS_INLINE __m512 madd_f32(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
-
 /* acc[i][j] over the whole of k for weight rows w[i] (i < TN) and x rows x[j] (j < TM): the TM x
  * vectors of a step are loaded once, then each weight vector once and multiplied into its TM
  * accumulators (24 + 6 + 1 of the 32 registers). TN and TM are constants at every call site, so the
  * loops unroll and the accumulators stay in registers. */
 AVX512_TARGET static ALWAYS_INLINE void step512(__m512 a[TN4][TM6], const float* x, const float* w, size_t k,
-                                                   size_t p, __mmask16 mask, int full, const int TN, const int TM) {
+                                                size_t p, __mmask16 mask, int full, const int TN, const int TM) {
     __m512 xv[TM6];
     for (int j = 0; j < TM; j++) xv[j] = vec_f32(x + j * k + p, mask, full);
     for (int i = 0; i < TN; i++) {
         __m512 wv = vec_f32(w + i * k + p, mask, full);
-        for (int j = 0; j < TM; j++) a[i][j] = madd_f32(a[i][j], wv, xv[j]);
+        for (int j = 0; j < TM; j++) a[i][j] = _mm512_fmadd_ps(wv, xv[j], a[i][j]);
     }
 }
 
@@ -191,9 +189,9 @@ AVX512_TARGET static ALWAYS_INLINE void step512(__m512 a[TN4][TM6], const float*
  * and finished (p1 == k: reduced, bias added, stored) or saved again. Saving and reloading a vector is
  * exact, so a chunked k gives the same bits as one pass. */
 AVX512_TARGET static ALWAYS_INLINE void tile512(const float* x, const float* w, size_t k, size_t p0, size_t p1,
-                                                   __m512* save, const float* bias, float* y, size_t n,
-                                                   const int TN, const int TM, const char* ahead,
-                                                   long line0, long lines) {
+                                                __m512* save, const float* bias, float* y, size_t n,
+                                                const int TN, const int TM, const char* ahead,
+                                                long line0, long lines) {
     __m512 a[TN4][TM6];
     for (int i = 0; i < TN; i++)
         for (int j = 0; j < TM; j++) a[i][j] = p0 ? save[i * TM6 + j] : _mm512_setzero_ps();
@@ -206,11 +204,11 @@ AVX512_TARGET static ALWAYS_INLINE void tile512(const float* x, const float* w, 
             size_t q = p0;
             for (; q + 16 <= p1; q += 16) {
                 __m512 wv = vec_f32(w + i * k + q, 0, 1);
-                for (int j = 0; j < TM; j++) a[i][j] = madd_f32(a[i][j], wv, vec_f32(x + j * k + q, 0, 1));
+                for (int j = 0; j < TM; j++) a[i][j] = _mm512_fmadd_ps(wv, vec_f32(x + j * k + q, 0, 1), a[i][j]);
             }
             if (q < p1) {
                 __m512 wv = vec_f32(w + i * k + q, tail, 0);
-                for (int j = 0; j < TM; j++) a[i][j] = madd_f32(a[i][j], wv, vec_f32(x + j * k + q, tail, 0));
+                for (int j = 0; j < TM; j++) a[i][j] = _mm512_fmadd_ps(wv, vec_f32(x + j * k + q, tail, 0), a[i][j]);
             }
         }
         p = p1;
@@ -220,7 +218,7 @@ AVX512_TARGET static ALWAYS_INLINE void tile512(const float* x, const float* w, 
         const long steps = (long)((p1 - p) / 16);
         long line = line0, owed = 0;
         for (; p + 16 <= p1; p += 16) {
-            for (owed += lines; owed >= steps; owed -= steps) _mm_prefetch(ahead + 64 * line++, _MM_HINT_T0);
+            request_share(ahead, lines, steps, &line, &owed);
             step512(a, x, w, k, p, 0, 1, TN, TM);
         }
         for (; line < line0 + lines; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
@@ -250,7 +248,7 @@ AVX512_TARGET static ALWAYS_INLINE void tile512(const float* x, const float* w, 
  * reuse this tile from L1: requested all in the first group, they queued behind one another there, and the
  * later groups then ran with no memory traffic in flight. */
 AVX512_TARGET static ALWAYS_INLINE void rows512(const float* x, const float* w, size_t k, const float* bias,
-                                                   float* y, size_t n, long m, const int TN, const float* ahead) {
+                                                float* y, size_t n, long m, const int TN, const float* ahead) {
     __m512 save[(ROW_BLOCK + TM6 - 1) / TM6][TN4 * TM6];
     /* one row of x stays in L1 whatever k: no chunks, so each weight row is one sequential read */
     const size_t kc = m == 1 ? k : K_CHUNK_BYTES / sizeof(float);
@@ -280,7 +278,7 @@ AVX512_TARGET static ALWAYS_INLINE void rows512(const float* x, const float* w, 
 }
 
 AVX512_TARGET void small_m_gemm_avx512(const float* x, const float* w, const float* bias, float* y,
-                                               long m, long n, long k, int threads) {
+                                         long m, long n, long k, int threads) {
     long tiles = n / TN4;
     #pragma omp parallel num_threads(threads)
     {
