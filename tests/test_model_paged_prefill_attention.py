@@ -196,6 +196,48 @@ def test_keys_shared_by_several_sequences_are_read_from_one_packing(kernel: Page
         torch.testing.assert_close(shared.double(), case.expected(), rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cached,new", [(1024, 32), (1000, 17), (130, 5)])
+def test_a_short_chunk_over_a_long_context_gets_the_bits_of_keys_packed_up_front(kernel: PagedPrefillAttention,
+                                                                                 dtype: torch.dtype, cached: int,
+                                                                                 new: int) -> None:
+    """A short chunk alone over its context (one work item per KV head, nothing shared: its item packs
+    each tile where it uses it) gives the bits it gets when a second sequence starts on the same blocks
+    (the keys packed once, up front, for both), and the reference. The model's shape: 8 KV heads of
+    128, two query heads each."""
+    gen = torch.Generator().manual_seed(cached + new)
+    block_size, kv_heads, head_dim, group = 16, 8, 128, 2
+    length = cached + new
+    used = -(-length // block_size)
+    pool = (torch.randn(2, 2 * used + 3, block_size, kv_heads, head_dim, generator=gen) * 2).to(dtype)
+    order = torch.randperm(2 * used + 3, generator=gen)
+    alone = Case.__new__(Case)
+    alone.pool, alone.scale = pool, head_dim ** -0.5
+    alone.tables = order[:used].view(1, used)
+    alone.lens, alone.starts = torch.tensor([length]), torch.tensor([0, new])
+    alone.q = torch.randn(new, kv_heads * group, head_dim, generator=gen).to(dtype)
+    # beside it, a sequence of 40 queries on the same leading blocks, then blocks of its own
+    paired = Case.__new__(Case)
+    paired.pool, paired.scale = pool, alone.scale
+    other = torch.cat([alone.tables[0, : used - 1], order[used: used + 2]])
+    paired.tables = torch.stack([alone.tables[0], other[:used]])
+    paired.lens = torch.tensor([length, length])
+    paired.starts = torch.tensor([0, new, new + 40])
+    paired.q = torch.cat([alone.q, torch.randn(40, kv_heads * group, head_dim, generator=gen).to(dtype)])
+    threads = torch.get_num_threads()
+    try:
+        # on 2 threads the lone chunk's 8 items (one per KV head) give each thread the 4 it wants
+        torch.set_num_threads(2)
+        got = alone.run(kernel)
+        assert torch.equal(got, paired.run(kernel)[:new])
+    finally:
+        torch.set_num_threads(threads)
+    if dtype == torch.bfloat16:
+        assert_within_bf16_rounding(got, alone)
+    else:
+        torch.testing.assert_close(got.double(), alone.expected(), rtol=0, atol=2e-5)
+
+
 def test_thread_counts_give_identical_results(kernel: PagedPrefillAttention) -> None:
     """Work items are split differently for different thread counts; every row must come out the same."""
     case = Case(8, CHUNKS, block_size=5, head_dim=64, group=2)

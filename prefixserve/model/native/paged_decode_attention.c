@@ -179,24 +179,6 @@ static ALWAYS_INLINE void values_few(float* o, long d, const float* s, const voi
     }
 }
 
-/* Requests the K and V rows of keys [j0, j1) of one KV head (at element `head` of a token's row) into L1:
- * the hardware prefetcher cannot follow rows scattered over the pool's blocks, and a tile's compute
- * would otherwise wait on each of them (16 sequences stacked over a 1024-token run, K/V from memory:
- * 1.23x; one sequence's 110 keys 1.09x; bfloat16 pool, Zen 5 EPYC, 2 threads). Each key looks its block
- * up on its own: walking a block's slots with one lookup per block issued the requests faster than the
- * memory took them, and measured 0.89-0.94x of this. */
-static void request_rows(const void* pool, long elt, const long* table, long block_size, long token_stride,
-                         long v_offset, long head, long d, long j0, long j1) {
-    for (long j = j0; j < j1; j++) {
-        const char* row = (const char*)pool + elt * ((table[j / block_size] * block_size + j % block_size) * token_stride
-                                                     + head);
-        for (long c = 0; c < d * elt; c += 64) {
-            _mm_prefetch(row + c, _MM_HINT_T0);
-            _mm_prefetch(row + elt * v_offset + c, _MM_HINT_T0);
-        }
-    }
-}
-
 void paged_decode_attention(const float* q, const void* pool, int pool_bf16, const long* tables, const long* lens,
                             long batch, long kv_heads, long rows, long head_dim, long num_blocks,
                             long block_size, long table_width, float scale, float* out, float* lse,
@@ -249,12 +231,7 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
 
             for (long k0 = 0; k0 < len; k0 += KT) {
                 const long n = len - k0 < KT ? len - k0 : KT;
-                /* where the tile's K rows start in the pool, -1 past the context */
-                for (long j = 0; j < round_up(n, KP); j++)
-                    at[j] = k0 + j < len
-                        ? (tables[b * table_width + (k0 + j) / block_size] * block_size + (k0 + j) % block_size)
-                          * token_stride + h * d
-                        : -1;
+                tile_rows(tables + b * table_width, block_size, token_stride, h * d, k0, n, len, at);
                 for (long pan = 0; pan * KP < n; pan++) {
                     if (few)
                         pack_panel_keys(pool, pool_bf16, key_words || few_pairs, at + pan * KP, d, kt + pan * pstride);
