@@ -269,6 +269,57 @@ static inline void gather_transposed_pool(const void* pool, int bf16, const long
     for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + i * ldd, r[i]);
 }
 
+/* The K and V rows of keys [j, j1) of one KV head (at element `head` of a token's row), requested into
+ * L1 while the tile before them is computed: the hardware prefetcher cannot follow rows scattered over the
+ * pool's blocks, and a tile's compute would otherwise wait on each of them (decode: 16 sequences stacked
+ * over a 1024-token run, K/V from memory, 1.23x; one sequence's 110 keys 1.09x). request_more asks for
+ * `per` lines of K, and as many of V, at a time, and the tiles call it once per row panel (a few rows'
+ * tiles: per 16 or 32 keys) they run, so the requests spread over the tile: issued all at once they
+ * filled the core's queue of misses and stalled it until memory drained it. Against one burst a tile,
+ * K/V from memory: decode of 16 sequences x 48 own keys 1.37-1.39x, one sequence x 110-1024 keys
+ * 1.17-1.30x, 32 rows stacked over 1024 keys 1.11-1.20x; a streamed prefill chunk of 16-32 tokens over
+ * 1024-2048 cached 1.07-1.20x. Each key looks its block up on its own: walking a block's slots with one
+ * lookup per block issued the requests faster than the memory took them (0.89-0.94x). All: bfloat16
+ * pool, Zen 5 EPYC, 2 threads. */
+typedef struct {
+    const char* pool;
+    const long* table;          /* the block table of the keys' sequence */
+    long elt, block_size, token_stride, v_offset, head, row_bytes;
+    long j, j1, c;              /* the next key and byte of its row to request; the key to stop before */
+    long per;                   /* lines of K (and as many of V) a request_more asks for */
+} TileRequest;
+
+/* keys [j0, j1) (none where j1 <= j0), asked for over `points` calls of request_more */
+static inline TileRequest tile_request(const void* pool, long elt, const long* table, long block_size,
+                                       long token_stride, long v_offset, long head, long d, long j0, long j1,
+                                       long points) {
+    const long row_bytes = d * elt, lines = j1 > j0 ? (j1 - j0) * ((row_bytes + 63) / 64) : 0;
+    return (TileRequest){(const char*)pool, table, elt, block_size, token_stride, v_offset, head, row_bytes,
+                         j0, j1, 0, (lines + points - 1) / points};
+}
+
+/* the next `per` lines of the request (t NULL: none) */
+static inline void request_more(TileRequest* t) {
+    if (!t) return;
+    for (long n = 0; n < t->per && t->j < t->j1; n++) {
+        const char* row = t->pool + t->elt * ((t->table[t->j / t->block_size] * t->block_size + t->j % t->block_size)
+                                              * t->token_stride + t->head);
+        _mm_prefetch(row + t->c, _MM_HINT_T0);
+        _mm_prefetch(row + t->elt * t->v_offset + t->c, _MM_HINT_T0);
+        if ((t->c += 64) >= t->row_bytes) { t->c = 0; t->j++; }
+    }
+}
+
+/* whatever the request has not asked for yet (a tile whose panels skipped some of the calls) */
+static inline void request_rest(TileRequest* t) {
+    t->per = t->j1 > t->j ? (t->j1 - t->j) * ((t->row_bytes + 63) / 64) : 0;
+    request_more(t);
+}
+
+/* calls of request_more a tile's scores512 (_bf16) and values512 make when each of `panels` row panels
+ * sees keys of it: one per panel in the scores, one per panel and block of 64 value columns */
+static inline long request_points(long panels, long d) { return panels * (1 + (d / 16 + 3) / 4); }
+
 /* The bfloat16 dot-product body (a bfloat16 pool, CPUs with avx512_bf16): keys stay bfloat16, packed
  * as pairs of neighbouring dimensions, one 32-bit word a pair ([D/2][16] words a panel: half the bytes
  * of a widened panel, and no widening), and S = Q K^T runs on vdpbf16ps, each lane summing the exact
@@ -327,10 +378,11 @@ AVX512_BF16_TARGET static ALWAYS_INLINE void tile_qk512_bf16(const unsigned* qw,
 }
 
 AVX512_BF16_TARGET static void scores512_bf16(const unsigned* qw, const float* kt, long d, float* s, const long* vis,
-                                              long panels, float qscale) {
+                                              long panels, float qscale, TileRequest* ahead) {
     const __m512 qs = _mm512_set1_ps(qscale);
     for (long kk = 0; kk * KP < KT; kk += 4)
         for (long p = 0; p < panels; p++) {
+            if (kk == 0) request_more(ahead);
             float* sp = s + p * MR * KT + kk * KP;
             const unsigned* q = qw + p * MR * (d / 2);
             const float* k = kt + kk * KP * d / 2;
@@ -353,25 +405,6 @@ static inline void tile_rows(const long* table, long block_size, long token_stri
         at[j] = k0 + j < len
             ? (table[(k0 + j) / block_size] * block_size + (k0 + j) % block_size) * token_stride + head
             : -1;
-}
-
-/* Requests the K and V rows of keys [j0, j1) of one KV head (at element `head` of a token's row) into L1,
- * for the tile after the one being computed: the hardware prefetcher cannot follow rows scattered over
- * the pool's blocks, and a tile's compute would otherwise wait on each of them (decode: 16 sequences
- * stacked over a 1024-token run, K/V from memory, 1.23x; one sequence's 110 keys 1.09x; bfloat16 pool,
- * Zen 5 EPYC, 2 threads). Each key looks its block
- * up on its own: walking a block's slots with one lookup per block issued the requests faster than the
- * memory took them, and measured 0.89-0.94x of this. */
-static void request_rows(const void* pool, long elt, const long* table, long block_size, long token_stride,
-                         long v_offset, long head, long d, long j0, long j1) {
-    for (long j = j0; j < j1; j++) {
-        const char* row = (const char*)pool + elt * ((table[j / block_size] * block_size + j % block_size) * token_stride
-                                                     + head);
-        for (long c = 0; c < d * elt; c += 64) {
-            _mm_prefetch(row + c, _MM_HINT_T0);
-            _mm_prefetch(row + elt * v_offset + c, _MM_HINT_T0);
-        }
-    }
 }
 
 
@@ -415,9 +448,10 @@ static void scores(const float* qp, const float* kt, long d, float* s, const lon
 }
 
 AVX512_TARGET static void scores512(const float* qp, const float* kt, long d, float* s, const long* vis,
-                                    long panels) {
+                                    long panels, TileRequest* ahead) {
     for (long kk = 0; kk * KP < KT; kk += 4)
         for (long p = 0; p < panels; p++) {
+            if (kk == 0) request_more(ahead);
             float* sp = s + p * MR * KT + kk * KP;
             const float* q = qp + p * MR * d, * k = kt + kk * KP * d;
             switch (panels_seen(vis[p], kk)) {
@@ -446,13 +480,14 @@ static void values(float* o, long d, const float* s, const float* vr, long keys,
 }
 
 AVX512_TARGET static void values512(float* o, long d, const float* s, const float* vr, long keys, long k0,
-                                    const long* vis, const float* alpha, long panels) {
+                                    const long* vis, const float* alpha, long panels, TileRequest* ahead) {
     long c = 0;
     while (c + 16 <= d) {
         /* up to 4 slabs (64 columns) a register tile */
         const int ns = d - c >= 64 ? 4 : (int)((d - c) / 16);
         for (long p = 0; p < panels; p++) {
             if (!vis[p]) continue;
+            request_more(ahead);
             float* op = o + p * MR * d + c;
             const float* sp = s + p * MR * KT, * v = vr + c * keys + k0 * 16;
             switch (ns) {

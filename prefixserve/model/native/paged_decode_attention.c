@@ -157,8 +157,9 @@ static ALWAYS_INLINE void pv_few(float* o, long ldo, const float* p, long ldp, c
 /* One tile's scores for nr rows: the key panels two at a time (a lone last one beside the next panel's
  * slot, whose scores land in columns never read) */
 static ALWAYS_INLINE void scores_few(const float* qp, const float* kt, long d, float* s, long n, int pairs,
-                                     const int nr) {
+                                     TileRequest* ahead, const int nr) {
     for (long pan = 0; pan * KP < n; pan += 2) {
+        request_more(ahead);
         if (pairs) qk_few_pairs(qp, kt + pan * KP * d / 2, d, s + pan * KP, KT, nr);
         else qk_few(qp, kt + pan * KP * d, d, s + pan * KP, KT, nr);
     }
@@ -169,8 +170,9 @@ static ALWAYS_INLINE void scores_few(const float* qp, const float* kt, long d, f
  * back from L2 on every pass: 2.5x the time). Each output lane still runs alpha, then the keys in order;
  * o holds it exactly between groups. (v: where each key's V row starts) */
 static ALWAYS_INLINE void values_few(float* o, long d, const float* s, const void* pool, int bf16, const long* v,
-                                     long n, const float* alpha, const int nr) {
+                                     long n, const float* alpha, TileRequest* ahead, const int nr) {
     for (long j0 = 0; j0 < n; j0 += KP) {
+        request_more(ahead);
         const long nj = n - j0 < KP ? n - j0 : KP;
         const float* a = j0 ? NULL : alpha;
         long c = 0;
@@ -240,28 +242,30 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                                    pan * KP);
                 }
                 /* the next tile's K and V rows (this task's, or the next task's first), requested while
-                 * this one is computed; on AVX-512 CPUs only: on a Zen 3 EPYC (AVX2) the same requests left
-                 * stacked runs 1.00-1.07x and made tasks of a few float32 rows 1.2x slower */
-                if (avx512) {
-                    const long next = k0 + KT < len ? task : task + 1, nb = next / kv_heads;
-                    const long j0 = next == task ? k0 + KT : 0;
-                    if (next < batch * kv_heads)
-                        request_rows(pool, elt, tables + nb * table_width, block_size, token_stride, v_offset,
-                                     next % kv_heads * d, d, j0, lens[nb] < j0 + KT ? lens[nb] : j0 + KT);
-                }
+                 * this one is computed, spread over its row panels or, for a few rows, its key groups;
+                 * on AVX-512 CPUs only: on a Zen 3 EPYC (AVX2) the same requests left stacked runs
+                 * 1.00-1.07x and made tasks of a few float32 rows 1.2x slower */
+                const long next = k0 + KT < len ? task : task + 1, nb = next < batch * kv_heads ? next / kv_heads : 0;
+                const long j0 = next == task ? k0 + KT : 0;
+                const long j1 = !avx512 || next == batch * kv_heads ? j0 : lens[nb] < j0 + KT ? lens[nb] : j0 + KT;
+                TileRequest ahead = tile_request(pool, elt, tables + nb * table_width, block_size, token_stride, v_offset,
+                                                 next % kv_heads * d, d, j0, j1, few ? 6 : request_points(panels, d));
                 /* every row of a decode task sits after all of the tile's keys */
                 for (long p = 0; p < panels; p++) vis[p] = n;
-                if (key_words) scores512_bf16(qw, kt, d, s, vis, panels, qscale);
-                else if (rows == 1) scores_few(qp, kt, d, s, n, few_pairs, 1);
-                else if (rows == 2) scores_few(qp, kt, d, s, n, few_pairs, 2);
-                else if (rows == 3) scores_few(qp, kt, d, s, n, few_pairs, 3);
-                else (avx512 ? scores512 : scores)(qp, kt, d, s, vis, panels);
+                if (key_words) scores512_bf16(qw, kt, d, s, vis, panels, qscale, &ahead);
+                else if (rows == 1) scores_few(qp, kt, d, s, n, few_pairs, &ahead, 1);
+                else if (rows == 2) scores_few(qp, kt, d, s, n, few_pairs, &ahead, 2);
+                else if (rows == 3) scores_few(qp, kt, d, s, n, few_pairs, &ahead, 3);
+                else if (avx512) scores512(qp, kt, d, s, vis, panels, &ahead);
+                else scores(qp, kt, d, s, vis, panels);
                 for (long r = 0; r < padded; r++) alpha[r] = softmax_row(s + r * KT, n, round_up(n, 8), m + r, l + r);
                 for (long j = 0; few && j < n; j++) vrow[j] = at[j] + v_offset;
-                if (rows == 1) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, 1);
-                else if (rows == 2) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, 2);
-                else if (rows == 3) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, 3);
-                else (avx512 ? values512 : values)(o, d, s, vr, KT, 0, vis, alpha, panels);
+                if (rows == 1) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 1);
+                else if (rows == 2) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 2);
+                else if (rows == 3) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 3);
+                else if (avx512) values512(o, d, s, vr, KT, 0, vis, alpha, panels, &ahead);
+                else values(o, d, s, vr, KT, 0, vis, alpha, panels);
+                request_rest(&ahead);
             }
             end_rows(o, m, l, out + task * rows * d, lse + task * rows, state_m + task * rows, state_l + task * rows,
                      rows, d, finalize);

@@ -251,8 +251,11 @@ void paged_prefill_attention(const float* q, long q_stride, const void* pool, in
             const int stream = (int)streamed[w.b];
             const long* table = tables + w.b * table_width;
             const long v_offset = num_blocks * block_stride;    /* the V pool follows the K pool */
-            if (stream && avx512)
-                request_rows(pool, elt, table, block_size, token_stride, v_offset, w.h * d, d, 0, last + 1 < KT ? last + 1 : KT);
+            if (stream && avx512) {
+                TileRequest first_tile = tile_request(pool, elt, table, block_size, token_stride, v_offset, w.h * d, d, 0,
+                                                      last + 1 < KT ? last + 1 : KT, 1);
+                request_more(&first_tile);
+            }
 
             /* Q panels [D][6], scaled; rows past the item's are zeros at its last token's position */
             for (long p = 0; p < panels; p++) {
@@ -277,24 +280,26 @@ void paged_prefill_attention(const float* q, long q_stride, const void* pool, in
                     long n = pos[p * MR + MR - 1] - k0 + 1;
                     vis[p] = n <= 0 ? 0 : n > KT ? KT : n;
                 }
+                /* a streamed item's next tile, requested over this one's row panels (AVX-512 CPUs, as in decode) */
+                TileRequest ahead = tile_request(pool, elt, table, block_size, token_stride, v_offset, w.h * d, d, k0 + KT,
+                                                 stream && avx512 ? (last + 1 < k0 + 2 * KT ? last + 1 : k0 + 2 * KT) : 0,
+                                                 request_points(panels, d));
                 if (stream) {
                     const long n = last + 1 - k0 < KT ? last + 1 - k0 : KT;
                     tile_rows(table, block_size, token_stride, w.h * d, k0, n, len, at);
                     for (long pan = 0; pan * KP < n; pan++)
                         pack_panel(pool, pool_bf16, key_words, at + pan * KP, v_offset, d, tile_k + pan * kstride, tile_v,
                                    KT, pan * KP);
-                    /* as in the decode kernel: on AVX-512 CPUs only */
-                    if (avx512 && k0 + KT <= last)
-                        request_rows(pool, elt, table, block_size, token_stride, v_offset, w.h * d, d, k0 + KT,
-                                     last + 1 < k0 + 2 * KT ? last + 1 : k0 + 2 * KT);
                 }
                 /* S = Q K^T, only the 16-key panels at or below each row panel's diagonal */
                 const int led = k0 < shared[w.b];
                 const float* kpan = stream ? tile_k : (led ? lead_kt : kt) + (k0 / KP) * kstride;
                 if (key_words)
-                    scores512_bf16(qw, kpan, d, s, vis, panels, qscale);
+                    scores512_bf16(qw, kpan, d, s, vis, panels, qscale, &ahead);
+                else if (avx512)
+                    scores512(qp, kpan, d, s, vis, panels, &ahead);
                 else
-                    (avx512 ? scores512 : scores)(qp, kpan, d, s, vis, panels);
+                    scores(qp, kpan, d, s, vis, panels);
                 for (long p = 0; p < panels; p++) {
                     if (!vis[p]) continue;
                     long cols = round_up(vis[p], 8);
@@ -305,11 +310,13 @@ void paged_prefill_attention(const float* q, long q_stride, const void* pool, in
                     }
                 }
                 /* O = alpha O + P V, a slab of V at a time across the row panels */
-                if (stream)
-                    (avx512 ? values512 : values)(o, d, s, tile_v, KT, 0, vis, alpha, panels);
+                const float* vslab = stream ? tile_v : led ? lead_vr : vr;
+                const long vkeys = stream ? KT : (led ? lead_pan : npan) * KP, vk0 = stream ? 0 : k0;
+                if (avx512)
+                    values512(o, d, s, vslab, vkeys, vk0, vis, alpha, panels, &ahead);
                 else
-                    (avx512 ? values512 : values)(o, d, s, led ? lead_vr : vr, (led ? lead_pan : npan) * KP, k0, vis,
-                                                  alpha, panels);
+                    values(o, d, s, vslab, vkeys, vk0, vis, alpha, panels);
+                request_rest(&ahead);
             }
 
             for (long r = 0; r < rows; r++) {
