@@ -324,10 +324,14 @@ static inline long request_points(long panels, long d) { return panels * (1 + (d
  * as pairs of neighbouring dimensions, one 32-bit word a pair ([D/2][16] words a panel: half the bytes
  * of a widened panel, and no widening), and S = Q K^T runs on vdpbf16ps, each lane summing the exact
  * products of two dimensions into float32. Queries arrive widened from bfloat16, so their pairs are
- * exact too; the scores are scaled after the products instead of the queries before. Everything past
- * the scores (softmax, P V) is the float32 path's: rounding the probabilities to bfloat16 for P V
- * (1.25-1.35x faster again) moved a greedy token when a preempted sequence recomputed, in a prefill, the
- * K/V its decode steps had made. Head dims of whole 16-element rows (every model's) take it. */
+ * exact too; the scores are scaled after the products instead of the queries before. The softmax runs
+ * in float32; P V runs on vdpbf16ps too: the probabilities rounded once to bfloat16 (to nearest even,
+ * as a bfloat16 GPU kernel rounds them for its P V GEMM) and V kept bfloat16, both as pairs of
+ * neighbouring keys, so each lane sums exact products in float32. Every row of both kernels, decode's
+ * few-row tasks included, goes through these same tiles, so prefill and decode still give a token the
+ * same bits (an earlier try rounded P in the prefill tiles only: a preempted sequence, recomputing in
+ * a prefill the K/V its decode steps had made, then moved a greedy token). Head dims of whole 16-element
+ * rows (every model's) take it. */
 
 /* The 16 K rows of a panel (at[j]: where key j's row starts, negative past the sequence) as word pairs,
  * transposed into kt [D/2][16]: the 8 x 8 float transpose moves 32-bit words, here pairs of bfloat16 */
@@ -408,6 +412,84 @@ static inline void tile_rows(const long* table, long block_size, long token_stri
 }
 
 
+/* The V rows of a panel of 16 keys (at[j]: where key j's K row starts, negative past the sequence) as
+ * bfloat16 pairs of neighbouring keys: slab c (16 columns) holds keys / 2 rows of 16 words from
+ * vr + c * keys / 2 on, word (i, e) = V[2i][c + e] (low half) and V[2i + 1][c + e] (high half); key jj of
+ * the panel is key first + jj (first even). Half the bytes of widened slabs, and no widening. */
+static void pack_values_bf16(const void* pool, const long* at, long v_offset, long d, float* vr, long keys,
+                             long first) {
+    const unsigned short* pv = (const unsigned short*)pool;
+    for (long jj = 0; jj < KP; jj += 2) {
+        const long a = at[jj] >= 0 ? at[jj] + v_offset : -1, b = at[jj + 1] >= 0 ? at[jj + 1] + v_offset : -1;
+        for (long c = 0; c < d; c += 16) {
+            const __m256i x = a >= 0 ? _mm256_loadu_si256((const __m256i*)(pv + a + c)) : _mm256_setzero_si256();
+            const __m256i y = b >= 0 ? _mm256_loadu_si256((const __m256i*)(pv + b + c)) : _mm256_setzero_si256();
+            /* per 128-bit lane: columns 0-3 (lo) and 4-7 (hi) of the lane, each interleaved with the next key */
+            const __m256i lo = _mm256_unpacklo_epi16(x, y), hi = _mm256_unpackhi_epi16(x, y);
+            float* dst = vr + c * keys / 2 + (first + jj) / 2 * 16;
+            _mm256_storeu_si256((__m256i*)dst, _mm256_permute2x128_si256(lo, hi, 0x20));
+            _mm256_storeu_si256((__m256i*)(dst + 8), _mm256_permute2x128_si256(lo, hi, 0x31));
+        }
+    }
+}
+
+/* The probabilities of `rows` rows of a tile (s, KT apart) rounded to bfloat16 into pw (KT apart), so
+ * that word i of a row holds keys 2i and 2i + 1. Columns past a row's keys are never read as products. */
+AVX512_BF16_TARGET static void probabilities_bf16(const float* s, long rows, unsigned short* pw) {
+    for (long r = 0; r < rows; r++)
+        for (long j = 0; j < KT; j += 16)
+            _mm256_storeu_si256((__m256i*)(pw + r * KT + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + r * KT + j)));
+}
+
+/* o[r, 0..16 ns) = alpha[r] * o[r, ..] + sum over key pairs i < pairs of pw[r, 2i..2i+1] . slab_k[i] for r < 6,
+ * ns = 1-4 slabs of V pairs (slab k at v + k * slab floats) */
+AVX512_BF16_TARGET static ALWAYS_INLINE void tile_pv512_bf16(float* o, long ldo, const unsigned short* pw, long ldp,
+                                                            const float* v, long slab, long pairs, const float* alpha,
+                                                            const int ns) {
+    __m512 c[MR][4];
+    for (int r = 0; r < MR; r++) {
+        __m512 a = _mm512_set1_ps(alpha[r]);
+        for (int k = 0; k < ns; k++) c[r][k] = _mm512_mul_ps(a, _mm512_loadu_ps(o + r * ldo + 16 * k));
+    }
+    for (long i = 0; i < pairs; i++) {
+        __m512bh x[4];
+        for (int k = 0; k < ns; k++) x[k] = (__m512bh)_mm512_loadu_ps(v + k * slab + i * 16);
+        for (int r = 0; r < MR; r++) {
+            int w;
+            memcpy(&w, pw + r * ldp + 2 * i, sizeof(w));
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(w);
+            for (int k = 0; k < ns; k++) c[r][k] = _mm512_dpbf16_ps(c[r][k], a, x[k]);
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int k = 0; k < ns; k++) _mm512_storeu_ps(o + r * ldo + 16 * k, c[r][k]);
+}
+
+/* values512 over bfloat16 probabilities (probabilities_bf16) and V pair slabs (pack_values_bf16, slab c
+ * from vr + c * keys / 2 on, the tile's first key k0 even); D % 16 == 0 */
+AVX512_BF16_TARGET static void values512_bf16(float* o, long d, const unsigned short* pw, const float* vr, long keys,
+                                              long k0, const long* vis, const float* alpha, long panels,
+                                              TileRequest* ahead) {
+    for (long c = 0; c < d;) {
+        const int ns = d - c >= 64 ? 4 : (int)((d - c) / 16);
+        for (long p = 0; p < panels; p++) {
+            if (!vis[p]) continue;
+            request_more(ahead);
+            float* op = o + p * MR * d + c;
+            const unsigned short* pp = pw + p * MR * KT;
+            const float* v = vr + c * keys / 2 + k0 / 2 * 16;
+            const long pairs = (vis[p] + 1) / 2;
+            switch (ns) {
+                case 4: tile_pv512_bf16(op, d, pp, KT, v, 8 * keys, pairs, alpha + p * MR, 4); break;
+                case 3: tile_pv512_bf16(op, d, pp, KT, v, 8 * keys, pairs, alpha + p * MR, 3); break;
+                case 2: tile_pv512_bf16(op, d, pp, KT, v, 8 * keys, pairs, alpha + p * MR, 2); break;
+                default: tile_pv512_bf16(op, d, pp, KT, v, 8 * keys, pairs, alpha + p * MR, 1); break;
+            }
+        }
+        c += 16 * ns;
+    }
+}
+
 /* The K rows of a panel of 16 keys out of the pool (at[j]: the element where key j's row starts, negative
  * past the sequence) into the transposed panel kt [D][16] (with key_words, bfloat16 word pairs [D/2][16]). */
 static void pack_panel_keys(const void* pool, int bf16, int key_words, const long* at, long d, float* kt) {
@@ -422,10 +504,14 @@ static void pack_panel_keys(const void* pool, int bf16, int key_words, const lon
 
 /* pack_panel_keys, and the panel's V rows (v_offset elements after its K rows) into the column slabs of
  * vr, the first key being key `first`: slab c holds `keys` rows of w = min(16, D - c) floats from
- * vr + c * keys on. */
+ * vr + c * keys on (with key_words, pairs of keys: pack_values_bf16). */
 static void pack_panel(const void* pool, int bf16, int key_words, const long* at, long v_offset, long d, float* kt,
                        float* vr, long keys, long first) {
     pack_panel_keys(pool, bf16, key_words, at, d, kt);
+    if (key_words) {
+        pack_values_bf16(pool, at, v_offset, d, vr, keys, first);
+        return;
+    }
     for (long jj = 0; jj < KP; jj++) {
         const long v = at[jj] >= 0 ? at[jj] + v_offset : -1;
         long c = 0;

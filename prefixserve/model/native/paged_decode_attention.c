@@ -1,4 +1,4 @@
-/* Decode attention read straight from the paged KV pool, float32 math, in the prefill kernel's tiles.
+/* Decode attention read straight from the paged KV pool, float32 sums, in the prefill kernel's tiles.
  *
  * For each (sequence b, KV head h): the R query rows of q[b, h] (the G query heads of a
  * grouped-query KV head, or several sequences' heads stacked over a shared run) attend to
@@ -18,7 +18,9 @@
  * more than 3 rows, the values into 16-column slabs: a few KB that stay in L1 while every row of the
  * task reads them, so each K/V row is read from the pool once per task and the rows stacked over a
  * shared run make the products a small GEMM. Tasks of up to 3 rows (one sequence's G heads) read
- * each V row in place instead.
+ * each V row in place instead, except in the bfloat16 body, whose P V products on bfloat16 pairs every
+ * row takes through the prefill kernel's tiles (attention_tiles.h): in place, a few rows would sum
+ * other products than a chunk's rows do (0.98x for one sequence's 2 rows over 110-1024 keys).
  *
  * Against the previous kernel (its own summation order, one block per softmax step), 2-core AMD EPYC
  * Zen 3 (AVX2), 8 KV heads of 128, K/V from memory, per layer: 16 sequences stacked over a 1024-token
@@ -194,17 +196,19 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
     const long panels = (rows + MR - 1) / MR, padded = panels * MR;
     const float qscale = scale * 1.44269504088896341f;       /* scores in base 2, as in prefill */
     const __m256 qs = _mm256_set1_ps(qscale);
-    /* a few rows (one sequence's G heads) read each V row in place, once: no V slabs to fill */
-    const int few = rows <= FEW_ROWS;
+    /* a few rows (one sequence's G heads) read each V row in place, once: no V slabs to fill; not in the
+     * bfloat16 body, whose P V products run on the tiles of prefill for every row (the same bits) */
+    const int few = rows <= FEW_ROWS && !key_words;
     /* and keep a bfloat16 pool's keys as word pairs (the float32 queries and products unchanged) */
-    const int few_pairs = few && !key_words && pool_bf16 && d % 16 == 0;
+    const int few_pairs = few && pool_bf16 && d % 16 == 0;
     const long pstride = key_words || few_pairs ? KP * d / 2 : KP * d;     /* floats between K panels */
 
     #pragma omp parallel num_threads(threads)
     {
         /* Q panels (+ 8 floats the last 8-wide store of a 6-row panel spills), O, S, max, sum, alpha,
-         * a tile's K panels and V slabs */
-        float* qp = malloc(sizeof(float) * (padded * d + 8 + padded * d + padded * KT + 3 * padded + 2 * KT * d));
+         * a tile's K panels and V slabs, its bfloat16 probabilities */
+        float* qp = malloc(sizeof(float) * (padded * d + 8 + padded * d + padded * KT + 3 * padded + 2 * KT * d
+                                            + padded * KT / 2));
         float* o = qp + padded * d + 8;
         float* s = o + padded * d;
         float* m = s + padded * KT;
@@ -212,6 +216,7 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
         float* alpha = l + padded;
         float* kt = alpha + padded;
         float* vr = kt + KT * d;
+        unsigned short* pw = (unsigned short*)(vr + KT * d);
         unsigned* qw = key_words ? malloc(sizeof(unsigned) * padded * d / 2) : NULL;
         memset(kt, 0, sizeof(float) * KT * d);     /* the slot beside a lone last panel is read, never used */
         long vis[(padded + MR - 1) / MR], at[KT], vrow[KT];
@@ -260,7 +265,11 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                 else scores(qp, kt, d, s, vis, panels);
                 for (long r = 0; r < padded; r++) alpha[r] = softmax_row(s + r * KT, n, round_up(n, 8), m + r, l + r);
                 for (long j = 0; few && j < n; j++) vrow[j] = at[j] + v_offset;
-                if (rows == 1) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 1);
+                if (key_words) {
+                    probabilities_bf16(s, padded, pw);
+                    values512_bf16(o, d, pw, vr, KT, 0, vis, alpha, panels, &ahead);
+                }
+                else if (rows == 1) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 1);
                 else if (rows == 2) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 2);
                 else if (rows == 3) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 3);
                 else if (avx512) values512(o, d, s, vr, KT, 0, vis, alpha, panels, &ahead);

@@ -219,7 +219,8 @@ void paged_prefill_attention(const float* q, long q_stride, const void* pool, in
         const long rows_max = round_up(nt_max * group, MR);
         /* Q panels (+ 2 floats the last 8-wide store of a 6-row panel spills), O, S, running max and sum,
          * a streamed tile's K panels and V slabs */
-        float* qp = malloc(sizeof(float) * (rows_max * d * 2 + 8 + rows_max * KT + rows_max * 3 + 2 * KT * d));
+        float* qp = malloc(sizeof(float) * (rows_max * d * 2 + 8 + rows_max * KT + rows_max * 3 + 2 * KT * d
+                                            + rows_max * KT / 2));
         float* o = qp + rows_max * d + 8;
         float* s = o + rows_max * d;
         float* m = s + rows_max * KT;
@@ -227,6 +228,7 @@ void paged_prefill_attention(const float* q, long q_stride, const void* pool, in
         float* alpha = l + rows_max;
         float* tile_k = alpha + rows_max;
         float* tile_v = tile_k + KT * d;
+        unsigned short* pw = (unsigned short*)(tile_v + KT * d);      /* a tile's bfloat16 probabilities */
         memset(tile_k, 0, sizeof(float) * KT * d);  /* the slot beside a lone last panel is read, never used */
         long at[KT];
         long* pos = malloc(sizeof(long) * rows_max * 2);
@@ -312,7 +314,11 @@ void paged_prefill_attention(const float* q, long q_stride, const void* pool, in
                 /* O = alpha O + P V, a slab of V at a time across the row panels */
                 const float* vslab = stream ? tile_v : led ? lead_vr : vr;
                 const long vkeys = stream ? KT : (led ? lead_pan : npan) * KP, vk0 = stream ? 0 : k0;
-                if (avx512)
+                if (key_words) {
+                    probabilities_bf16(s, panels * MR, pw);
+                    values512_bf16(o, d, pw, vslab, vkeys, vk0, vis, alpha, panels, &ahead);
+                }
+                else if (avx512)
                     values512(o, d, s, vslab, vkeys, vk0, vis, alpha, panels, &ahead);
                 else
                     values(o, d, s, vslab, vkeys, vk0, vis, alpha, panels);
