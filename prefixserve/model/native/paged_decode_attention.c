@@ -18,9 +18,8 @@
  * more than 3 rows, the values into 16-column slabs: a few KB that stay in L1 while every row of the
  * task reads them, so each K/V row is read from the pool once per task and the rows stacked over a
  * shared run make the products a small GEMM. Tasks of up to 3 rows (one sequence's G heads) read
- * each V row in place instead, except in the bfloat16 body, whose P V products on bfloat16 pairs every
- * row takes through the prefill kernel's tiles (attention_tiles.h): in place, a few rows would sum
- * other products than a chunk's rows do (0.98x for one sequence's 2 rows over 110-1024 keys).
+ * each V row in place instead, through tiles of their own that run each lane's multiply-adds as the
+ * shared ones do (in the bfloat16 body, pairs of V rows interleaved as they are read).
  *
  * Against the previous kernel (its own summation order, one block per softmax step), 2-core AMD EPYC
  * Zen 3 (AVX2), 8 KV heads of 128, K/V from memory, per layer: 16 sequences stacked over a 1024-token
@@ -156,6 +155,65 @@ static ALWAYS_INLINE void pv_few(float* o, long ldo, const float* p, long ldp, c
         for (int i = 0; i < nv; i++) _mm256_storeu_ps(o + r * ldo + c + 8 * i, acc[r][i]);
 }
 
+/* pv_few in the bfloat16 body: o[r, c..c+16 nv) = alpha[r] * o[r, ..] (alpha NULL: o as it is) + the sum over
+ * key pairs i of pw[r, 2i..2i+1] . (V_2i, V_2i+1)[c..c+16 nv), the pairs interleaved from the pool rows as
+ * they are read (v[j]: where key j's V row starts; the missing partner of an odd n's last key reads as
+ * zeros, as past-the-end keys are packed): per lane the vdpbf16ps chain of tile_pv512_bf16, without
+ * packing slabs that only a few rows would read */
+AVX512_BF16_TARGET static ALWAYS_INLINE void pv_few_bf16(float* o, long ldo, const unsigned short* pw, long ldp,
+                                                        const void* pool, const long* v, long c, long n,
+                                                        const float* alpha, const int nr, const int nv) {
+    const unsigned short* pv = (const unsigned short*)pool;
+    __m512 acc[FEW_ROWS][4];
+    for (int r = 0; r < nr; r++)
+        for (int k = 0; k < nv; k++) {
+            const __m512 x = _mm512_loadu_ps(o + r * ldo + c + 16 * k);
+            acc[r][k] = alpha ? _mm512_mul_ps(_mm512_set1_ps(alpha[r]), x) : x;
+        }
+    for (long i = 0; 2 * i < n; i++) {
+        const long a = v[2 * i] + c, b = 2 * i + 1 < n ? v[2 * i + 1] + c : -1;
+        __m512bh x[4];
+        for (int k = 0; k < nv; k++) {
+            const __m256i first = _mm256_loadu_si256((const __m256i*)(pv + a + 16 * k));
+            const __m256i second = b >= 0 ? _mm256_loadu_si256((const __m256i*)(pv + b + 16 * k)) : _mm256_setzero_si256();
+            const __m256i lo = _mm256_unpacklo_epi16(first, second), hi = _mm256_unpackhi_epi16(first, second);
+            x[k] = (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                                                _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+        }
+        for (int r = 0; r < nr; r++) {
+            int w;
+            memcpy(&w, pw + r * ldp + 2 * i, sizeof(w));
+            const __m512bh p = (__m512bh)_mm512_set1_epi32(w);
+            for (int k = 0; k < nv; k++) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], p, x[k]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int k = 0; k < nv; k++) _mm512_storeu_ps(o + r * ldo + c + 16 * k, acc[r][k]);
+}
+
+/* values_few in the bfloat16 body for nr = 1-3 rows, over a tile's bfloat16 probabilities (probabilities_bf16);
+ * D % 16 == 0 */
+AVX512_BF16_TARGET static ALWAYS_INLINE void values_few_bf16_rows(float* o, long d, const unsigned short* pw,
+                                                                 const void* pool, const long* v, long n,
+                                                                 const float* alpha, TileRequest* ahead, const int nr) {
+    for (long j0 = 0; j0 < n; j0 += KP) {
+        request_more(ahead);
+        const long nj = n - j0 < KP ? n - j0 : KP;
+        const float* a = j0 ? NULL : alpha;
+        long c = 0;
+        for (; c + 64 <= d; c += 64) pv_few_bf16(o, d, pw + j0, KT, pool, v + j0, c, nj, a, nr, 4);
+        for (; c < d; c += 16) pv_few_bf16(o, d, pw + j0, KT, pool, v + j0, c, nj, a, nr, 1);
+    }
+}
+
+AVX512_BF16_TARGET static void values_few_bf16(float* o, long d, const unsigned short* pw, const void* pool,
+                                               const long* v, long n, const float* alpha, TileRequest* ahead,
+                                               long rows) {
+    if (rows == 1) values_few_bf16_rows(o, d, pw, pool, v, n, alpha, ahead, 1);
+    else if (rows == 2) values_few_bf16_rows(o, d, pw, pool, v, n, alpha, ahead, 2);
+    else values_few_bf16_rows(o, d, pw, pool, v, n, alpha, ahead, 3);
+}
+
 /* One tile's scores for nr rows: the key panels two at a time (a lone last one beside the next panel's
  * slot, whose scores land in columns never read) */
 static ALWAYS_INLINE void scores_few(const float* qp, const float* kt, long d, float* s, long n, int pairs,
@@ -196,11 +254,10 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
     const long panels = (rows + MR - 1) / MR, padded = panels * MR;
     const float qscale = scale * 1.44269504088896341f;       /* scores in base 2, as in prefill */
     const __m256 qs = _mm256_set1_ps(qscale);
-    /* a few rows (one sequence's G heads) read each V row in place, once: no V slabs to fill; not in the
-     * bfloat16 body, whose P V products run on the tiles of prefill for every row (the same bits) */
-    const int few = rows <= FEW_ROWS && !key_words;
+    /* a few rows (one sequence's G heads) read each V row in place, once: no V slabs to fill */
+    const int few = rows <= FEW_ROWS;
     /* and keep a bfloat16 pool's keys as word pairs (the float32 queries and products unchanged) */
-    const int few_pairs = few && pool_bf16 && d % 16 == 0;
+    const int few_pairs = few && !key_words && pool_bf16 && d % 16 == 0;
     const long pstride = key_words || few_pairs ? KP * d / 2 : KP * d;     /* floats between K panels */
 
     #pragma omp parallel num_threads(threads)
@@ -265,7 +322,11 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                 else scores(qp, kt, d, s, vis, panels);
                 for (long r = 0; r < padded; r++) alpha[r] = softmax_row(s + r * KT, n, round_up(n, 8), m + r, l + r);
                 for (long j = 0; few && j < n; j++) vrow[j] = at[j] + v_offset;
-                if (key_words) {
+                if (key_words && few) {
+                    probabilities_bf16(s, rows, pw);
+                    values_few_bf16(o, d, pw, pool, vrow, n, alpha, &ahead, rows);
+                }
+                else if (key_words) {
                     probabilities_bf16(s, padded, pw);
                     values512_bf16(o, d, pw, vr, KT, 0, vis, alpha, panels, &ahead);
                 }
