@@ -1,6 +1,7 @@
 /* The tiles both attention kernels are built from: Q K^T over packed 16-key panels, the online softmax
  * of a 64-key tile in base 2, and O = alpha O + P V over 16-column V slabs, in AVX2 (8 lanes), AVX-512
- * (16 lanes, the same bits) and, for a bfloat16 pool's keys, vdpbf16ps word pairs.
+ * (16 lanes, the same bits) and, for a bfloat16 pool, vdpbf16ps word pairs (keys in pairs of dimensions,
+ * probabilities and values in pairs of keys).
  *
  * One set of tiles for prefill and decode is what makes a token's attention output the same bits
  * whichever kernel computes it: with prefix caching a prompt's last uncached token may run alone

@@ -1,9 +1,10 @@
 /* Causal prefill attention read from the paged KV pool, blocked like a GEMM, float32, AVX2 + FMA
  * (AVX-512 tiles where the CPU runs them: the same bits, see tile_qk512).
- * The pool may hold float32 or bfloat16: keys are widened to float32 as they are packed, so the
- * products and the softmax run in float32 in both cases; where the CPU has avx512_bf16, a bfloat16
- * pool's keys stay bfloat16 and Q K^T runs on vdpbf16ps (exact products, float32 sums: see
- * pack_keys_bf16).
+ * The pool may hold float32 or bfloat16: keys and values are widened to float32 as they are packed,
+ * so the products and the softmax run in float32 in both cases; where the CPU has avx512_bf16, a
+ * bfloat16 pool's keys and values stay bfloat16 and both Q K^T and P V run on vdpbf16ps (exact
+ * products, float32 sums; the probabilities rounded to bfloat16 for P V: see the bfloat16 body in
+ * attention_tiles.h).
  *
  * Sequence b owns the query rows q[starts[b] : starts[b + 1]] of the flat batch; query i of
  * its n rows sits at position seq_lens[b] - n + i and sees keys 0..that position, whose K/V

@@ -3,8 +3,9 @@
 Used by the torch backend (`model/attention/torch_paged.py`) for every query chunk of more
 than one token in a step, fresh prompts and chunks continuing a cached context alike, for
 float32 and bfloat16 pools on AVX2 CPUs, through AVX-512 tiles where the CPU has them (a
-bfloat16 pool's keys are multiplied as bfloat16 pairs with vdpbf16ps where the CPU has
-avx512_bf16, and widened to float32 as they are packed elsewhere; values always are). The CPU
+bfloat16 pool's keys and values are multiplied as bfloat16 pairs with vdpbf16ps, against
+probabilities rounded to bfloat16, where the CPU has avx512_bf16, and widened to float32 as they
+are packed elsewhere). The CPU
 flash kernel behind F.scaled_dot_product_attention reaches about a third of the matmul peak on
 causal prefill, and a chunk over a cached context first needs a gathered copy of it; this
 kernel packs each head's keys once and runs register-tiled QK^T and PV products over them (see
