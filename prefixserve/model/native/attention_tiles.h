@@ -417,6 +417,16 @@ static inline void tile_rows(const long* table, long block_size, long token_stri
  * bfloat16 pairs of neighbouring keys: slab c (16 columns) holds keys / 2 rows of 16 words from
  * vr + c * keys / 2 on, word (i, e) = V[2i][c + e] (low half) and V[2i + 1][c + e] (high half); key jj of
  * the panel is key first + jj (first even). Half the bytes of widened slabs, and no widening. */
+/* 16 columns of the V rows of two neighbouring keys (x, y) as word pairs: *cols0 holds columns 0-7, *cols1
+ * columns 8-15, word e = (x[e] low half, y[e] high half). The one definition of the pair layout, for the
+ * slabs packed here and the pairs decode's few-row tiles interleave as they read. */
+static inline void pair_keys_bf16(__m256i x, __m256i y, __m256i* cols0, __m256i* cols1) {
+    /* per 128-bit lane: columns 0-3 (lo) and 4-7 (hi) of the lane, each interleaved with the next key */
+    const __m256i lo = _mm256_unpacklo_epi16(x, y), hi = _mm256_unpackhi_epi16(x, y);
+    *cols0 = _mm256_permute2x128_si256(lo, hi, 0x20);
+    *cols1 = _mm256_permute2x128_si256(lo, hi, 0x31);
+}
+
 static void pack_values_bf16(const void* pool, const long* at, long v_offset, long d, float* vr, long keys,
                              long first) {
     const unsigned short* pv = (const unsigned short*)pool;
@@ -425,11 +435,11 @@ static void pack_values_bf16(const void* pool, const long* at, long v_offset, lo
         for (long c = 0; c < d; c += 16) {
             const __m256i x = a >= 0 ? _mm256_loadu_si256((const __m256i*)(pv + a + c)) : _mm256_setzero_si256();
             const __m256i y = b >= 0 ? _mm256_loadu_si256((const __m256i*)(pv + b + c)) : _mm256_setzero_si256();
-            /* per 128-bit lane: columns 0-3 (lo) and 4-7 (hi) of the lane, each interleaved with the next key */
-            const __m256i lo = _mm256_unpacklo_epi16(x, y), hi = _mm256_unpackhi_epi16(x, y);
+            __m256i cols0, cols1;
+            pair_keys_bf16(x, y, &cols0, &cols1);
             float* dst = vr + c * keys / 2 + (first + jj) / 2 * 16;
-            _mm256_storeu_si256((__m256i*)dst, _mm256_permute2x128_si256(lo, hi, 0x20));
-            _mm256_storeu_si256((__m256i*)(dst + 8), _mm256_permute2x128_si256(lo, hi, 0x31));
+            _mm256_storeu_si256((__m256i*)dst, cols0);
+            _mm256_storeu_si256((__m256i*)(dst + 8), cols1);
         }
     }
 }

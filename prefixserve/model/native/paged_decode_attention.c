@@ -80,6 +80,9 @@ static void end_rows(const float* o, const float* m, const float* l, float* acc,
  * most of their multiply-adds on zero rows. The same chain per lane as tile_qk / tile_pv16 (so the same
  * bits), over 32 keys or 32 columns a tile: nr <= 3 rows x 4 vectors of accumulators. */
 #define FEW_ROWS 3
+/* calls of request_more a few-row tile makes: its scores per 32 keys, its values per 16 (the bfloat16
+ * body's scores run on the 6-row tiles, one call; request_rest asks for what is left) */
+#define FEW_REQUEST_POINTS (KT / (2 * KP) + KT / KP)
 
 /* s[r, 0..32) = sum_d qp[d, r] * (two consecutive K panels)[d, 0..32) for r < nr; qp a [D][6] panel */
 static ALWAYS_INLINE void qk_few(const float* qp, const float* kt, long d, float* s, long lds, const int nr) {
@@ -176,9 +179,9 @@ AVX512_BF16_TARGET static ALWAYS_INLINE void pv_few_bf16(float* o, long ldo, con
         for (int k = 0; k < nv; k++) {
             const __m256i first = _mm256_loadu_si256((const __m256i*)(pv + a + 16 * k));
             const __m256i second = b >= 0 ? _mm256_loadu_si256((const __m256i*)(pv + b + 16 * k)) : _mm256_setzero_si256();
-            const __m256i lo = _mm256_unpacklo_epi16(first, second), hi = _mm256_unpackhi_epi16(first, second);
-            x[k] = (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
-                                                _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+            __m256i cols0, cols1;
+            pair_keys_bf16(first, second, &cols0, &cols1);
+            x[k] = (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(cols0), cols1, 1);
         }
         for (int r = 0; r < nr; r++) {
             int w;
@@ -311,7 +314,8 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                 const long j0 = next == task ? k0 + KT : 0;
                 const long j1 = !avx512 || next == batch * kv_heads ? j0 : lens[nb] < j0 + KT ? lens[nb] : j0 + KT;
                 TileRequest ahead = tile_request(pool, elt, tables + nb * table_width, block_size, token_stride, v_offset,
-                                                 next % kv_heads * d, d, j0, j1, few ? 6 : request_points(panels, d));
+                                                 next % kv_heads * d, d, j0, j1,
+                                                 few ? FEW_REQUEST_POINTS : request_points(panels, d));
                 /* every row of a decode task sits after all of the tile's keys */
                 for (long p = 0; p < panels; p++) vis[p] = n;
                 if (key_words) scores512_bf16(qw, kt, d, s, vis, panels, qscale, &ahead);

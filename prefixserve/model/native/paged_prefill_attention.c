@@ -148,6 +148,7 @@ void paged_prefill_attention(const float* q, long q_stride, const void* pool, in
     const long token_stride = kv_heads * d;
     const long block_stride = block_size * token_stride;
     const long elt = pool_bf16 ? 2 : 4;
+    const long v_offset = num_blocks * block_stride;    /* the V pool follows the K pool */
 
     /* where each served sequence's packed keys start in `work` */
     long* offset = malloc(sizeof(long) * (5 * batch + 1));
@@ -211,8 +212,7 @@ void paged_prefill_attention(const float* q, long q_stride, const void* pool, in
                 long slot = j < seq_lens[b] ? tables[b * table_width + j / block_size] * block_size + j % block_size : 0;
                 rows[jj] = j < seq_lens[b] ? slot * token_stride + h * d : -1;
             }
-            /* the V pool follows the K pool */
-            pack_panel(pool, pool_bf16, key_words, rows, num_blocks * block_stride, d, kt + pan * kstride, kt + npan * KP * d,
+            pack_panel(pool, pool_bf16, key_words, rows, v_offset, d, kt + pan * kstride, kt + npan * KP * d,
                        npan * KP, pan * KP);
         }
         /* the barrier closing the loop above: every panel is packed before any item reads one */
@@ -253,7 +253,6 @@ void paged_prefill_attention(const float* q, long q_stride, const void* pool, in
             const long last = ctx + w.t0 + w.nt - 1;             /* the block's furthest position */
             const int stream = (int)streamed[w.b];
             const long* table = tables + w.b * table_width;
-            const long v_offset = num_blocks * block_stride;    /* the V pool follows the K pool */
             if (stream && avx512) {
                 TileRequest first_tile = tile_request(pool, elt, table, block_size, token_stride, v_offset, w.h * d, d, 0,
                                                       last + 1 < KT ? last + 1 : KT, 1);
