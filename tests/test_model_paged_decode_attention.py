@@ -10,7 +10,7 @@ import torch
 
 from native_kernel_build import build_fresh
 from prefixserve.model.native.isa import AVX512_BF16, ISAS, best_isa
-from prefixserve.model.native.paged_decode_attention import PagedDecodeAttention, load
+from prefixserve.model.native.paged_decode_attention import DecodeState, PagedDecodeAttention, load
 
 BODIES = ISAS[: ISAS.index(best_isa()) + 1]
 
@@ -97,6 +97,54 @@ def test_carrying_a_runs_state_gives_the_bits_of_one_pass(kernel: PagedDecodeAtt
         state = type(part)(unstack(part.acc), unstack(part.m), unstack(part.l))
         out, lse = kernel(q, pool, own, own_lens, 0.1, carry=state)
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse), members
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("members", [[0, 1, 2, 3, 4], [3, 0], [4, 1, 2]])
+def test_a_run_over_its_members_rows_in_place_gives_the_bits_of_the_stacked_copy(
+        kernel: PagedDecodeAttention, dtype: torch.dtype, members: list[int]) -> None:
+    """The backend hands a shared run its members' rows of the step's queries and state, which the kernel
+    reads and writes in place: each member's rows must hold exactly what a pass over a stacked copy of
+    its queries leaves, any other sequence's rows must be left as they were, and carrying on must give
+    the bits of one pass over each member's whole context."""
+    gen = torch.Generator().manual_seed(len(members))
+    block_size, kv_heads, group, head_dim, num_blocks, sequences = 16, 2, 3, 64, 40, 5
+    run_blocks = kernel.tile_keys // block_size
+    pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen)
+    run, own = order[:run_blocks], order[run_blocks:run_blocks + 2 * sequences].view(sequences, 2)
+    q = torch.randn(sequences, kv_heads, group, head_dim, generator=gen).to(dtype).float()
+    picked = torch.tensor(members)
+
+    stacked = q[picked].transpose(0, 1).reshape(1, kv_heads, len(members) * group, head_dim)
+    part = kernel.partial(stacked, pool, run[None], torch.tensor([run_blocks * block_size]), 0.1)
+    unstack = lambda x: x.view(kv_heads, len(members), group, *x.shape[3:]).transpose(0, 1)
+    sentinel = DecodeState(torch.full(q.shape, 7.0), torch.full(q.shape[:3], 5.0), torch.full(q.shape[:3], 3.0))
+    state = DecodeState(sentinel.acc.clone(), sentinel.m.clone(), sentinel.l.clone())
+    tables = kernel.tables(run[None], torch.tensor([run_blocks * block_size]), picked)
+    kernel.run_partial(q, pool, tables, 0.1, state)
+    others = [i for i in range(sequences) if i not in members]
+    for got, want, left in zip((state.acc, state.m, state.l), (part.acc, part.m, part.l), sentinel.__dict__.values()):
+        assert torch.equal(got[picked], unstack(want)) and torch.equal(got[others], left[others])
+
+    own_lens = torch.randint(1, 2 * block_size + 1, (sequences,), generator=gen)
+    out, lse = kernel(q[picked], pool, own[picked], own_lens[picked], 0.1,
+                      carry=DecodeState(*(t[picked].contiguous() for t in (state.acc, state.m, state.l))))
+    want_out, want_lse = kernel(q[picked], pool, torch.cat([run.expand(len(members), -1), own[picked]], 1),
+                                own_lens[picked] + run_blocks * block_size, 0.1)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+def test_a_runs_members_must_be_distinct_sequences_of_the_queries(kernel: PagedDecodeAttention) -> None:
+    pool = torch.zeros(2, 8, 16, 1, 16)
+    run, tokens = torch.arange(kernel.tile_keys // 16)[None], torch.tensor([kernel.tile_keys])
+    state = DecodeState.fresh(torch.Size((3, 1, 2, 16)))
+    with pytest.raises(ValueError, match="distinct"):
+        kernel.tables(run, tokens, torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="distinct"):
+        kernel.tables(run, tokens, torch.tensor([-1, 0]))
+    with pytest.raises(ValueError, match="outside"):
+        kernel.run_partial(torch.zeros(3, 1, 2, 16), pool, kernel.tables(run, tokens, torch.tensor([0, 3])), 1.0, state)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -44,6 +44,7 @@ class DecodePlan:
     suffix_lens: torch.Tensor     # [N] int64: tokens in each sequence's suffix
     shared: tuple[SharedRun, ...]
     block_size: int
+    runs_cover_all: bool = False  # every decode sequence is a member of some shared run
 
     @cached_property
     def suffix_padding(self) -> torch.Tensor:
@@ -86,6 +87,7 @@ def plan_decode(meta: AttentionMetadata, run_tokens_multiple: int = 1) -> Decode
         shared=tuple(SharedRun(members=_tensor(m, device), blocks=_tensor(b, device),
                                tokens=_tensor(np.array([len(b) * bs]), device)) for m, b in runs),
         block_size=bs,
+        runs_cover_all=sum(len(m) for m, _ in runs) == len(decoding),
     )
 
 

@@ -22,7 +22,8 @@ from prefixserve.model.attention.cascade import DecodePlan, plan_decode
 from prefixserve.model.attention.metadata import AttentionMetadata
 from prefixserve.model.attention.registry import register_backend
 from prefixserve.model.native import paged_prefill_attention
-from prefixserve.model.native.paged_decode_attention import DecodeState, PagedDecodeAttention, default_kernel
+from prefixserve.model.native.paged_decode_attention import DecodeState, KernelTables, PagedDecodeAttention, \
+    default_kernel
 
 
 class GatherBuffer:
@@ -59,11 +60,20 @@ class GatherBuffer:
         return keys.flatten(0, 1), values.flatten(0, 1)
 
 
+@dataclass(frozen=True)
+class NativeDecodeTables:
+    """A decode plan's tables as the native kernel takes them, checked once per step for every layer."""
+    suffix: KernelTables
+    runs: tuple[KernelTables, ...]   # one per shared run, with its members
+
+
 @dataclass
 class TorchPagedMetadata:
-    """The torch backend's per-step metadata: the generic fields and the step's decode plan."""
+    """The torch backend's per-step metadata: the generic fields, the step's decode plan and, with the
+    native kernel, its tables."""
     common: AttentionMetadata
     decode: DecodePlan | None
+    native: NativeDecodeTables | None = None
 
 
 # Plain torch ops run wherever torch does ("meta": models built for their shapes only); the native
@@ -80,8 +90,13 @@ class TorchPagedAttention(AttentionBackend):
 
     def build_metadata(self, common: AttentionMetadata) -> TorchPagedMetadata:
         # the native kernel carries a run's state into a sequence's own blocks at a softmax tile's edge
-        tile = self._decode_kernel.tile_keys if self._decode_kernel is not None else 1
-        return TorchPagedMetadata(common, plan_decode(common, tile))
+        kernel = self._decode_kernel
+        plan = plan_decode(common, kernel.tile_keys if kernel is not None else 1)
+        if plan is None or kernel is None:
+            return TorchPagedMetadata(common, plan)
+        return TorchPagedMetadata(common, plan, NativeDecodeTables(
+            kernel.tables(plan.suffix_tables, plan.suffix_lens),
+            tuple(kernel.tables(run.blocks[None], run.tokens, run.members) for run in plan.shared)))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 step: TorchPagedMetadata, scale: float) -> torch.Tensor:
@@ -104,10 +119,10 @@ class TorchPagedAttention(AttentionBackend):
         plan = step.decode
         if plan is not None:
             kernel = self._decode_kernel
-            if kernel is not None and not kernel.supports(q, kv_cache):
+            if kernel is not None and (step.native is None or not kernel.supports(q, kv_cache)):
                 kernel = None
             result = _decode(q if plan.all_rows else q.index_select(0, plan.rows), kv_cache, plan, scale,
-                             self._gather, kernel)
+                             self._gather, kernel, step.native)
             if plan.all_rows:
                 out.copy_(result)
             else:
@@ -135,7 +150,8 @@ class TorchPagedAttention(AttentionBackend):
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: float,
-            gather: GatherBuffer, kernel: PagedDecodeAttention | None) -> torch.Tensor:
+            gather: GatherBuffer, kernel: PagedDecodeAttention | None,
+            tables: NativeDecodeTables | None) -> torch.Tensor:
     """Single-token queries q [N, H, D] over their contexts, each shared run read once.
 
     The G query heads of a KV head are laid out as G query rows of that head, so
@@ -147,7 +163,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: fl
     # float32 until the result is rounded once: in bfloat16 a second rounding flips greedy tokens
     queries = q.view(n, num_kv_heads, group, head_dim).float()
     if kernel is not None:
-        return _decode_native(queries, kv_cache, plan, scale, kernel).reshape(n, num_heads, head_dim)
+        return _decode_native(queries, kv_cache, plan, tables, scale, kernel).reshape(n, num_heads, head_dim)
     return _decode_gathered(queries, kv_cache, plan, scale, gather).reshape(n, num_heads, head_dim)
 
 
@@ -162,24 +178,20 @@ def _unstacked(x: torch.Tensor, m: int) -> torch.Tensor:
     return x.view(x.shape[1], m, -1, *x.shape[3:]).transpose(0, 1)
 
 
-def _decode_native(queries: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: float,
-                   kernel: PagedDecodeAttention) -> torch.Tensor:
+def _decode_native(queries: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, tables: NativeDecodeTables,
+                   scale: float, kernel: PagedDecodeAttention) -> torch.Tensor:
     """Each shared run once for all its members (their queries stacked as the rows of one task per KV
-    head), then every sequence's own blocks carrying on from where its run left the online softmax.
-    The kernel treats every row alike whatever the rows beside it, so each sequence gets the bits one
-    pass over its whole context gives: caching on (a run) and off (no run) agree exactly."""
-    n, num_kv_heads, group, head_dim = queries.shape
+    head, read and written in place by the kernel), then every sequence's own blocks carrying on from
+    where its run left the online softmax. The kernel treats every row alike whatever the rows beside
+    it, so each sequence gets the bits one pass over its whole context gives: caching on (a run) and
+    off (no run) agree exactly."""
     state = None
     if plan.shared:
-        state = DecodeState(torch.zeros_like(queries), torch.full(queries.shape[:3], float("-inf")),
-                            torch.zeros(queries.shape[:3]))
-        for run in plan.shared:
-            m = len(run.members)
-            part = kernel.partial(_stacked(queries, run.members), kv_cache, run.blocks[None], run.tokens, scale)
-            state.acc.index_copy_(0, run.members, _unstacked(part.acc, m))
-            state.m.index_copy_(0, run.members, _unstacked(part.m, m))
-            state.l.index_copy_(0, run.members, _unstacked(part.l, m))
-    out, _ = kernel(queries, kv_cache, plan.suffix_tables, plan.suffix_lens, scale, carry=state)
+        # rows in no run carry on from an empty softmax; runs write every row of their members
+        state = DecodeState.fresh(queries.shape, filled=not plan.runs_cover_all)
+        for run_tables in tables.runs:
+            kernel.run_partial(queries, kv_cache, run_tables, scale, state)
+    out, _ = kernel.run(queries, kv_cache, tables.suffix, scale, carry=state)
     return out
 
 

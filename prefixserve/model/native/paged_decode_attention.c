@@ -29,6 +29,10 @@
  *
  * pool: [2, num_blocks, block_size, KVH, D] (K then V); q, out: [B, KVH, R, D] float32 (with a
  * bfloat16 pool holding bfloat16 values: the model's queries, widened); lse: [B, KVH, R].
+ * With `members` (a shared run: B = 1, R = count x group), row r of KV head h is row r % group of
+ * sequence members[r / group] in q, out and the states laid out [N, KVH, group, ...]: the run reads
+ * its members' queries and leaves its state where their own blocks' call carries on from it, with
+ * no stacking copies in between.
  * body: 0 the AVX2 tiles, 1 the AVX-512 tiles, 2 with a bfloat16 pool's keys in word pairs (the
  * prefill kernel's codes). Requires D % 8 == 0.
  */
@@ -45,12 +49,12 @@ long paged_attention_tile_keys(void) { return KT; }
  * from the unnormalised accumulator acc and state_m / state_l. Rows past R (padding of the last 6-row
  * panel) start fresh and are never written out. */
 static void start_rows(float* o, float* m, float* l, const float* acc, const float* state_m, const float* state_l,
-                       long rows, long padded, long d, int carry_in) {
+                       const long* at, long rows, long padded, long d, int carry_in) {
     for (long r = 0; r < padded; r++) {
         if (carry_in && r < rows) {
-            m[r] = state_m[r];
-            l[r] = state_l[r];
-            memcpy(o + r * d, acc + r * d, sizeof(float) * d);
+            m[r] = state_m[at[r]];
+            l[r] = state_l[at[r]];
+            memcpy(o + r * d, acc + at[r] * d, sizeof(float) * d);
         } else {
             m[r] = -INFINITY;
             l[r] = 0.0f;
@@ -62,17 +66,18 @@ static void start_rows(float* o, float* m, float* l, const float* acc, const flo
 /* Finalised: o scaled by 1 / l as the prefill kernel does, and the natural log-sum-exp of the scaled
  * scores. Otherwise o, m and l are left for a later call. */
 static void end_rows(const float* o, const float* m, const float* l, float* acc, float* lse, float* state_m,
-                     float* state_l, long rows, long d, int finalize) {
+                     float* state_l, const long* at, long rows, long d, int finalize) {
     for (long r = 0; r < rows; r++) {
+        float* a = acc + at[r] * d;
         if (!finalize) {
-            memcpy(acc + r * d, o + r * d, sizeof(float) * d);
-            state_m[r] = m[r];
-            state_l[r] = l[r];
+            memcpy(a, o + r * d, sizeof(float) * d);
+            state_m[at[r]] = m[r];
+            state_l[at[r]] = l[r];
             continue;
         }
         const __m256 inv = _mm256_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
-        for (long e = 0; e < d; e += 8) _mm256_storeu_ps(acc + r * d + e, _mm256_mul_ps(inv, _mm256_loadu_ps(o + r * d + e)));
-        lse[r] = l[r] > 0.0f ? (m[r] + log2f(l[r])) * 0.69314718055994531f : -INFINITY;
+        for (long e = 0; e < d; e += 8) _mm256_storeu_ps(a + e, _mm256_mul_ps(inv, _mm256_loadu_ps(o + r * d + e)));
+        lse[at[r]] = l[r] > 0.0f ? (m[r] + log2f(l[r])) * 0.69314718055994531f : -INFINITY;
     }
 }
 
@@ -247,7 +252,8 @@ static ALWAYS_INLINE void values_few(float* o, long d, const float* s, const voi
 void paged_decode_attention(const float* q, const void* pool, int pool_bf16, const long* tables, const long* lens,
                             long batch, long kv_heads, long rows, long head_dim, long num_blocks,
                             long block_size, long table_width, float scale, float* out, float* lse,
-                            float* state_m, float* state_l, int carry_in, int finalize, int body, int threads) {
+                            float* state_m, float* state_l, int carry_in, int finalize, const long* members,
+                            long group, int body, int threads) {
     const long d = head_dim;
     const int avx512 = body >= 1, key_words = body == 2 && pool_bf16 && d % 16 == 0;
     const long token_stride = kv_heads * d;
@@ -279,22 +285,22 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
         unsigned short* pw = (unsigned short*)(vr + KT * d);
         unsigned* qw = key_words ? malloc(sizeof(unsigned) * padded * d / 2) : NULL;
         memset(kt, 0, sizeof(float) * KT * d);     /* the slot beside a lone last panel is read, never used */
-        long vis[(padded + MR - 1) / MR], at[KT], vrow[KT];
+        long vis[(padded + MR - 1) / MR], at[KT], vrow[KT], row_at[rows > 0 ? rows : 1];
 
         #pragma omp for schedule(static)
         for (long task = 0; task < batch * kv_heads; task++) {
             const long b = task / kv_heads, h = task % kv_heads, len = lens[b];
-            const float* qb = q + task * rows * d;
+            for (long r = 0; r < rows; r++)
+                row_at[r] = members ? (members[r / group] * kv_heads + h) * group + r % group : task * rows + r;
             for (long p = 0; p < panels; p++) {
                 const float* src[MR];
-                for (long r = 0; r < MR; r++) src[r] = p * MR + r < rows ? qb + (p * MR + r) * d : NULL;
+                for (long r = 0; r < MR; r++) src[r] = p * MR + r < rows ? q + row_at[p * MR + r] * d : NULL;
                 if (key_words)
                     pack_queries_bf16(src, d, qw + p * MR * (d / 2));
                 else
                     for (long e = 0; e < d; e += 8) gather_transposed(src, MR, e, qs, qp + p * MR * d + e * MR, MR);
             }
-            start_rows(o, m, l, out + task * rows * d, state_m + task * rows, state_l + task * rows, rows, padded, d,
-                       carry_in);
+            start_rows(o, m, l, out, state_m, state_l, row_at, rows, padded, d, carry_in);
 
             for (long k0 = 0; k0 < len; k0 += KT) {
                 const long n = len - k0 < KT ? len - k0 : KT;
@@ -341,8 +347,7 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                 else values(o, d, s, vr, KT, 0, vis, alpha, panels);
                 request_rest(&ahead);
             }
-            end_rows(o, m, l, out + task * rows * d, lse + task * rows, state_m + task * rows, state_l + task * rows,
-                     rows, d, finalize);
+            end_rows(o, m, l, out, lse, state_m, state_l, row_at, rows, d, finalize);
         }
         free(qw);
         free(qp);

@@ -31,17 +31,41 @@ class DecodeState:
     m: torch.Tensor
     l: torch.Tensor
 
+    @staticmethod
+    def fresh(shape: torch.Size, filled: bool = True) -> "DecodeState":
+        """A state for queries of `shape` [B, KVH, R, D]: where nothing was attended yet (filled), or left
+        for calls that write every row before any call carries on from it."""
+        if not filled:
+            return DecodeState(torch.empty(shape), torch.empty(shape[:3]), torch.empty(shape[:3]))
+        return DecodeState(torch.zeros(shape), torch.full(shape[:3], float("-inf")), torch.zeros(shape[:3]))
+
+
+@dataclass(frozen=True)
+class KernelTables:
+    """Block tables [B, W] and lengths [B] as the kernel reads them (contiguous int64), checked once:
+    a step's decode plan makes them and every layer's calls reuse them (the host-side checks cost
+    more than the kernel on short contexts). With `members`, one shared run's table (B = 1) and the
+    sequences that attend to it stacked (see `run_partial`)."""
+    tables: torch.Tensor
+    lens: torch.Tensor
+    longest: int                        # max(lens), or 0
+    whole_tiles: bool                   # every length a whole number of softmax tiles
+    members: torch.Tensor | None = None
+    sequences: int = 0                  # 1 + the largest member: the fewest sequences q must hold
+
 
 class PagedDecodeAttention:
     """`__call__(q, kv_cache, tables, lens, scale)` -> (out [B, KVH, R, D], lse [B, KVH, R]);
-    `partial(...)` -> the DecodeState a later `__call__(..., carry=state)` finishes."""
+    `partial(...)` -> the DecodeState a later `__call__(..., carry=state)` finishes. `tables(...)` checks
+    tables and lengths once for `run` and `run_partial`, which take them checked."""
 
     def __init__(self, library: ctypes.CDLL, body: str | None = None) -> None:
         self._fn = library.paged_decode_attention
         self._fn.restype = None
         self._fn.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
                              + [ctypes.c_long] * 7 + [ctypes.c_float]
-                             + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4)
+                             + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_long]
+                             + [ctypes.c_int] * 2)
         tile_keys = library.paged_attention_tile_keys
         tile_keys.restype = ctypes.c_long
         # a carried state gives one pass's bits only where it stops at a softmax tile's edge
@@ -64,55 +88,97 @@ class PagedDecodeAttention:
                 and kv_cache.dtype in (torch.float32, torch.bfloat16) and kv_cache.is_contiguous()
                 and q.shape[-1] % 8 == 0)
 
+    def tables(self, tables: torch.Tensor, lens: torch.Tensor, members: torch.Tensor | None = None) -> KernelTables:
+        """`tables` [B, W] and `lens` [B] (int64) checked and laid out for the kernel; `members` [M] (int64,
+        distinct sequence indices) for a shared run's one table."""
+        if tables.dim() != 2 or lens.shape != (tables.shape[0],):
+            raise ValueError(f"tables {tuple(tables.shape)} and lens {tuple(lens.shape)} do not match")
+        if tables.dtype != torch.int64 or lens.dtype != torch.int64:
+            raise ValueError("tables and lens must be int64")
+        host = lens.cpu().numpy()
+        if (host < 0).any():
+            raise ValueError("a length is negative")
+        sequences = 0
+        if members is not None:
+            if members.dtype != torch.int64 or members.dim() != 1 or tables.shape[0] != 1:
+                raise ValueError("members must be an int64 vector, over one table")
+            picked = members.cpu().numpy()
+            # a repeated member would have two rows write the same state
+            if (picked < 0).any() or len(set(picked.tolist())) != len(picked):
+                raise ValueError("members must be distinct sequence indices")
+            members, sequences = members.contiguous(), int(picked.max()) + 1 if len(picked) else 0
+        return KernelTables(tables.contiguous(), lens.contiguous(), int(host.max()) if len(host) else 0,
+                            not (host % self.tile_keys).any(), members, sequences)
+
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                  scale: float, carry: DecodeState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Finished attention over the blocks of `tables` (after `carry`'s, when given: its acc is
         finished in place and returned as out)."""
-        state, lse = self._run(q, kv_cache, tables, lens, scale, carry, finalize=True)
-        return state.acc, lse
+        return self.run(q, kv_cache, self.tables(tables, lens), scale, carry)
 
     def partial(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                 scale: float) -> DecodeState:
         """The online softmax over the blocks of `tables`, left unfinished for a later call to carry on.
         Every length must be a whole number of softmax tiles (`tile_keys`): the call carrying on starts
         a tile where one pass over the whole context starts one, so the two give the same bits."""
-        return self._run(q, kv_cache, tables, lens, scale, None, finalize=False)[0]
+        state = DecodeState.fresh(q.shape, filled=False)
+        self.run_partial(q, kv_cache, self.tables(tables, lens), scale, state)
+        return state
 
-    def _run(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float,
-             carry: DecodeState | None, finalize: bool) -> tuple[DecodeState, torch.Tensor]:
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: KernelTables, scale: float,
+            carry: DecodeState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`__call__` over checked tables."""
+        if carry is None:
+            state = DecodeState.fresh(q.shape, filled=False)
+        else:
+            state = carry
+            self._check_state(state, q.shape, "carry")
+        lse = torch.empty(q.shape[:3], dtype=torch.float32)
+        if tables.members is not None:
+            raise ValueError("a shared run's tables are for run_partial")
+        self._launch(q, kv_cache, tables, scale, state, lse, carry is not None, True)
+        return state.acc, lse
+
+    def run_partial(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: KernelTables, scale: float,
+                    into: DecodeState) -> None:
+        """`partial` over checked tables, written into `into` (shaped like q). Tables made with members
+        hold one shared run, attended once with those sequences' queries (rows of q's first dimension)
+        stacked as the rows of one task per KV head; only their rows of `into` are written."""
+        if not tables.whole_tiles:
+            raise ValueError(f"a partial pass must cover whole tiles of {self.tile_keys} keys")
+        self._check_state(into, q.shape, "into")
+        if tables.sequences > q.shape[0]:
+            raise ValueError(f"a member lies outside the {q.shape[0]} sequences of q")
+        self._launch(q, kv_cache, tables, scale, into, None, False, False)
+
+    @staticmethod
+    def _check_state(state: DecodeState, shape: torch.Size, name: str) -> None:
+        acc, m, l = state.acc, state.m, state.l
+        if (acc.shape != shape or m.shape != shape[:3] or l.shape != m.shape or not acc.is_contiguous()
+                or not m.is_contiguous() or not l.is_contiguous() or {acc.dtype, m.dtype, l.dtype} != {torch.float32}):
+            raise ValueError(f"{name} must hold contiguous float32 acc [B, KVH, R, D], m and l [B, KVH, R] "
+                             "matching q")
+
+    def _launch(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: KernelTables, scale: float,
+                state: DecodeState, lse: torch.Tensor | None, carry_in: bool, finalize: bool) -> None:
+        """lse: None for a partial pass (only a finished one writes it)."""
+        q = q.contiguous()
         batch, kv_heads, rows, head_dim = q.shape
         _, num_blocks, block_size, pool_heads, pool_dim = kv_cache.shape
-        if (pool_heads, pool_dim) != (kv_heads, head_dim) or tables.shape[0] != batch or lens.shape != (batch,):
+        width, members = tables.tables.shape[1], tables.members
+        tasks, task_rows = (1, len(members) * rows) if members is not None else (batch, rows)
+        if (pool_heads, pool_dim) != (kv_heads, head_dim) or tables.tables.shape[0] != tasks:
             raise ValueError(f"shapes do not match: q {tuple(q.shape)}, pool {tuple(kv_cache.shape)}, "
-                             f"tables {tuple(tables.shape)}, lens {tuple(lens.shape)}")
-        if tables.dtype != torch.int64 or lens.dtype != torch.int64:
-            raise ValueError("tables and lens must be int64")
-        # one host pass over the lengths (a tensor op costs ~10 us, and this runs per layer)
-        host_lens = lens.cpu().numpy()
-        if batch and host_lens.max() > tables.shape[1] * block_size:
+                             f"tables {tuple(tables.tables.shape)}")
+        if tables.longest > width * block_size:
             raise ValueError("a length runs past its block table")
-        if not finalize and (host_lens % self.tile_keys).any():
-            raise ValueError(f"a partial pass must cover whole tiles of {self.tile_keys} keys")
         if q.dtype != torch.float32 or not self.supports(q, kv_cache):
             raise ValueError("needs float32 queries, a contiguous float32 or bfloat16 CPU pool and head_dim % 8 == 0")
-        q, tables, lens = q.contiguous(), tables.contiguous(), lens.contiguous()
-        if carry is not None:
-            acc, m, l = carry.acc, carry.m, carry.l
-            if (acc.shape != q.shape or m.shape != q.shape[:3] or l.shape != m.shape or not acc.is_contiguous()
-                    or not m.is_contiguous() or not l.is_contiguous()
-                    or {acc.dtype, m.dtype, l.dtype} != {torch.float32}):
-                raise ValueError("carry must hold contiguous float32 acc [B, KVH, R, D], m and l [B, KVH, R] "
-                                 "matching q")
-        else:
-            acc = torch.empty_like(q)
-            m = torch.empty(batch, kv_heads, rows, dtype=torch.float32)
-            l = torch.empty_like(m)
-        lse = torch.empty(batch, kv_heads, rows, dtype=torch.float32)
-        self._fn(q.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), tables.data_ptr(),
-                 lens.data_ptr(), batch, kv_heads, rows, head_dim, num_blocks, block_size, tables.shape[1], scale,
-                 acc.data_ptr(), lse.data_ptr(), m.data_ptr(), l.data_ptr(), int(carry is not None), int(finalize),
+        self._fn(q.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), tables.tables.data_ptr(),
+                 tables.lens.data_ptr(), tasks, kv_heads, task_rows, head_dim, num_blocks, block_size, width, scale,
+                 state.acc.data_ptr(), 0 if lse is None else lse.data_ptr(), state.m.data_ptr(), state.l.data_ptr(),
+                 int(carry_in), int(finalize), 0 if members is None else members.data_ptr(), rows,
                  BODY_CODES[self.body], torch.get_num_threads())
-        return DecodeState(acc, m, l), lse
 
 
 def _agrees_with_torch(kernel: PagedDecodeAttention) -> bool:
