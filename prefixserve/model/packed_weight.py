@@ -49,8 +49,14 @@ class PackedWeight(nn.Module):
         kernel = packed_gemm.default_kernel()
         if kernel is None:
             raise RuntimeError("packed weights need the packed_gemm kernel, which this process cannot load")
+        if bias is not None:
+            if bias.shape != (self.out_features,):
+                raise ValueError(f"bias {tuple(bias.shape)} for {self.out_features} columns")
+            bias = bias.float().contiguous()
+        if x.dim() == 2:
+            return kernel.product(x.contiguous(), self.panels, self.out_features, bias)
         flat = x.reshape(-1, self.in_features).contiguous()
-        return kernel(flat, self.panels, self.out_features, bias).view(*x.shape[:-1], self.out_features)
+        return kernel.product(flat, self.panels, self.out_features, bias).view(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """W[ids] (an embedding lookup), gathered out of the panels."""

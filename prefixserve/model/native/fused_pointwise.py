@@ -48,10 +48,20 @@ class FusedPointwise:
     def supports(*tensors: torch.Tensor | None, multiple: int = 8) -> bool:
         """Every tensor given is on the CPU with contiguous rows whose width is a multiple of `multiple`, and
         all are float32 or all bfloat16."""
-        dtypes = {t.dtype for t in tensors if t is not None}
-        return (len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16}
-                and all(t is None or (t.device.type == "cpu" and t.dim() >= 1 and t.stride(-1) == 1
-                                      and t.shape[-1] % multiple == 0) for t in tensors))
+        # a plain loop: this runs several times per layer, and generators cost more than the checks
+        dtype = None
+        for t in tensors:
+            if t is None:
+                continue
+            if dtype is None:
+                dtype = t.dtype
+                if dtype is not torch.float32 and dtype is not torch.bfloat16:
+                    return False
+            elif t.dtype is not dtype:
+                return False
+            if not t.is_cpu or t.dim() < 1 or t.stride(-1) != 1 or t.shape[-1] % multiple:
+                return False
+        return dtype is not None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,7 +89,10 @@ class FusedPointwise:
                 or head_dim % 16 or (q_weight is None) != (k_weight is None)):
             raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)} does not hold {q_heads} + {k_heads} heads "
                              f"of {head_dim} (a multiple of 16) in contiguous rows")
-        cos, sin = (t.reshape(tokens, half).to(qkv.dtype).contiguous() for t in (cos, sin))
+        # the rotary embedding's [T, 1, D / 2] in the model's dtype already has the layout read here
+        cos, sin = (t if (t.dtype is qkv.dtype and t.is_contiguous() and t.shape[0] == tokens
+                          and t.numel() == tokens * half)
+                    else t.reshape(tokens, half).to(qkv.dtype).contiguous() for t in (cos, sin))
         q = qkv.new_empty(tokens, q_heads, head_dim)
         k = qkv.new_empty(tokens, k_heads, head_dim)
         self._fn("qk_norm_rope", qkv.dtype)(qkv.data_ptr(), qkv.stride(0), q_heads, k_heads, head_dim, _ptr(q_weight),

@@ -39,13 +39,21 @@ class PackedGemm:
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
         m, k = x.shape
-        if (x.dtype != torch.bfloat16 or panels.dtype != torch.bfloat16 or not x.is_contiguous()
-                or not panels.is_contiguous() or panels.shape != (-(-n // PANEL), k // 2, PANEL, 2) or k % 2):
-            raise ValueError(f"x {tuple(x.shape)} {x.dtype} (contiguous: {x.is_contiguous()}) does not fit "
-                             f"panels {tuple(panels.shape)} {panels.dtype} of {n} columns")
+        if (panels.dtype != torch.bfloat16 or not panels.is_contiguous()
+                or panels.shape != (-(-n // PANEL), k // 2, PANEL, 2)):
+            raise ValueError(f"x {tuple(x.shape)} does not fit panels {tuple(panels.shape)} {panels.dtype} "
+                             f"of {n} columns")
         if bias is not None and bias.shape != (n,):
             raise ValueError(f"bias {tuple(bias.shape)} for {n} columns")
-        bias = None if bias is None else bias.float().contiguous()
+        return self.product(x, panels, n, None if bias is None else bias.float().contiguous())
+
+    def product(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """`__call__` for panels already checked against n and k (a PackedWeight's own, checked when it
+        packed them: per projection the checks cost as much as the call) and a float32 bias or None."""
+        m, k = x.shape
+        if x.dtype != torch.bfloat16 or not x.is_contiguous() or k % 2 or k != 2 * panels.shape[1]:
+            raise ValueError(f"x {tuple(x.shape)} {x.dtype} (contiguous: {x.is_contiguous()}) does not fit "
+                             f"panels {tuple(panels.shape)}")
         y = torch.empty(m, n, dtype=torch.bfloat16)
         if m and n:
             self._fn(x.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
