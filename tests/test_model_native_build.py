@@ -22,13 +22,14 @@ from pathlib import Path
 import pytest
 
 from native_kernel_build import needs_kernel
-from prefixserve.model.native import build, fused_pointwise, packed_gemm, paged_decode_attention, paged_prefill_attention
+from prefixserve.model.native import build, fused_pointwise, packed_gemm, paged_decode_attention, paged_prefill_attention, \
+    row_argmax
 from prefixserve.model.native import report, small_m_gemm
 from prefixserve.model.native.isa import AVX512_BF16, best_isa
 from prefixserve.model.native.small_m_gemm import SmallMGemm, _agrees_with_torch
 
 NAME = "small_m_gemm"   # the quickest kernel to build
-DEFAULTS = (small_m_gemm, packed_gemm, paged_decode_attention, paged_prefill_attention, fused_pointwise)
+DEFAULTS = (small_m_gemm, packed_gemm, paged_decode_attention, paged_prefill_attention, fused_pointwise, row_argmax)
 # packed_gemm is made of bfloat16 dot products: elsewhere it is reported as such and nothing of it runs
 RUNNABLE = {module.__name__.rsplit(".", 1)[1] for module in DEFAULTS} - (
     set() if best_isa() == AVX512_BF16 else {"packed_gemm"})
@@ -320,7 +321,7 @@ def test_a_cpu_without_avx2_is_reported(monkeypatch, fresh_defaults):
 def test_report_before_any_kernel_is_used(fresh_defaults):
     result = report.kernel_report()
     assert set(result) == {"small_m_gemm", "packed_gemm", "paged_decode_attention", "paged_prefill_attention",
-                           "fused_pointwise"}
+                           "fused_pointwise", "row_argmax"}
     assert all(entry["reason"] == build.NOT_LOADED and not entry["active"] for entry in result.values())
 
 

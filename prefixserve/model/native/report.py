@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prefixserve.model.native import (build, fused_pointwise, packed_gemm, paged_decode_attention,
-                                      paged_prefill_attention, small_m_gemm)
+                                      paged_prefill_attention, row_argmax, small_m_gemm)
 
 _DEFAULT_KERNELS: dict[str, Callable[[], object]] = {
     "small_m_gemm": small_m_gemm.default_kernel,
@@ -18,6 +18,7 @@ _DEFAULT_KERNELS: dict[str, Callable[[], object]] = {
     "paged_decode_attention": paged_decode_attention.default_kernel,
     "paged_prefill_attention": paged_prefill_attention.default_kernel,
     "fused_pointwise": fused_pointwise.default_kernel,
+    "row_argmax": row_argmax.default_kernel,
 }
 
 
