@@ -92,7 +92,7 @@ class TorchPagedAttention(AttentionBackend):
         # the native kernel carries a run's state into a sequence's own blocks at a softmax tile's edge
         kernel = self._decode_kernel
         plan = plan_decode(common, kernel.tile_keys if kernel is not None else 1)
-        if plan is None or kernel is None:
+        if plan is None or kernel is None or not plan.suffix_lens.is_cpu:
             return TorchPagedMetadata(common, plan)
         return TorchPagedMetadata(common, plan, NativeDecodeTables(
             kernel.tables(plan.suffix_tables, plan.suffix_lens),
