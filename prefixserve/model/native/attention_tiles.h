@@ -452,6 +452,20 @@ AVX512_BF16_TARGET static void probabilities_bf16(const float* s, long rows, uns
             _mm256_storeu_si256((__m256i*)(pw + r * KT + j), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + r * KT + j)));
 }
 
+/* acc[r][k] += the probabilities of key pair i in row r (one bfloat16 word pair, broadcast) . x[k], for nr
+ * rows and nv vectors of V pairs: one step of the chain every P V output lane runs in the bfloat16 body.
+ * Its one definition, taken by the prefill tiles and decode's few-row tiles: a token's bits from the two
+ * kernels agree only while the steps do. */
+AVX512_BF16_TARGET static ALWAYS_INLINE void pv_pair_bf16(__m512 (*acc)[4], const unsigned short* pw, long ldp,
+                                                         long i, const __m512bh* x, const int nr, const int nv) {
+    for (int r = 0; r < nr; r++) {
+        int w;
+        memcpy(&w, pw + r * ldp + 2 * i, sizeof(w));
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(w);
+        for (int k = 0; k < nv; k++) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], p, x[k]);
+    }
+}
+
 /* o[r, 0..16 ns) = alpha[r] * o[r, ..] + sum over key pairs i < pairs of pw[r, 2i..2i+1] . slab_k[i] for r < 6,
  * ns = 1-4 slabs of V pairs (slab k at v + k * slab floats) */
 AVX512_BF16_TARGET static ALWAYS_INLINE void tile_pv512_bf16(float* o, long ldo, const unsigned short* pw, long ldp,
@@ -465,12 +479,7 @@ AVX512_BF16_TARGET static ALWAYS_INLINE void tile_pv512_bf16(float* o, long ldo,
     for (long i = 0; i < pairs; i++) {
         __m512bh x[4];
         for (int k = 0; k < ns; k++) x[k] = (__m512bh)_mm512_loadu_ps(v + k * slab + i * 16);
-        for (int r = 0; r < MR; r++) {
-            int w;
-            memcpy(&w, pw + r * ldp + 2 * i, sizeof(w));
-            const __m512bh a = (__m512bh)_mm512_set1_epi32(w);
-            for (int k = 0; k < ns; k++) c[r][k] = _mm512_dpbf16_ps(c[r][k], a, x[k]);
-        }
+        pv_pair_bf16(c, pw, ldp, i, x, MR, ns);
     }
     for (int r = 0; r < MR; r++)
         for (int k = 0; k < ns; k++) _mm512_storeu_ps(o + r * ldo + 16 * k, c[r][k]);

@@ -188,12 +188,7 @@ AVX512_BF16_TARGET static ALWAYS_INLINE void pv_few_bf16(float* o, long ldo, con
             pair_keys_bf16(first, second, &cols0, &cols1);
             x[k] = (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(cols0), cols1, 1);
         }
-        for (int r = 0; r < nr; r++) {
-            int w;
-            memcpy(&w, pw + r * ldp + 2 * i, sizeof(w));
-            const __m512bh p = (__m512bh)_mm512_set1_epi32(w);
-            for (int k = 0; k < nv; k++) acc[r][k] = _mm512_dpbf16_ps(acc[r][k], p, x[k]);
-        }
+        pv_pair_bf16(acc, pw, ldp, i, x, nr, nv);
     }
     for (int r = 0; r < nr; r++)
         for (int k = 0; k < nv; k++) _mm512_storeu_ps(o + r * ldo + c + 16 * k, acc[r][k]);
