@@ -267,12 +267,25 @@ def test_serves_only_chunks_of_min_query_len(kernel: PagedPrefillAttention) -> N
     torch.testing.assert_close(case.run(kernel).double(), case.expected(), rtol=0, atol=2e-5)
 
 
+def test_a_bfloat16_out_keeps_the_rows_it_does_not_serve(kernel: PagedPrefillAttention) -> None:
+    """With a bfloat16 pool the kernel stores its rows straight into the caller's bfloat16 `out`: the
+    rows it serves get the bits a fresh output gets, every other row keeps what it held."""
+    case = Case(9, [(1, 9), (6, 4), (0, 5), (1, 0), (12, 0)], block_size=4, head_dim=32, group=2)
+    case.pool, case.q = case.pool.bfloat16(), case.q.bfloat16()
+    every = case.run(kernel)
+    assert_within_bf16_rounding(every, case)
+    out = torch.full(case.q.shape, 7.0, dtype=torch.bfloat16)
+    assert case.run(kernel, out=out, min_query_len=2) is out
+    served = torch.zeros(case.q.shape[0], dtype=torch.bool)
+    served[1:7] = served[8:20] = True
+    assert torch.equal(out[served], every[served])
+    assert bool((out[~served] == 7.0).all())
+
+
 def test_strided_queries_and_reused_scratch(kernel: PagedPrefillAttention) -> None:
     """q as a column view of a fused projection; one scratch buffer serves calls of different sizes."""
     case = Case(10, [(20, 13), (33, 0)], block_size=16, head_dim=32, group=4)
-    fused = torch.randn(case.q.shape[0], case.q[0].numel() + 40)
-    fused[:, :case.q[0].numel()] = case.q.flatten(1)
-    case.q = fused[:, :case.q[0].numel()].view(case.q.shape)
+    case.q = _fused_view(case.q)
     assert not case.q.is_contiguous()
     buffer = torch.full((100_000,), float("nan"))
     asked = []
@@ -286,6 +299,25 @@ def test_strided_queries_and_reused_scratch(kernel: PagedPrefillAttention) -> No
     torch.testing.assert_close(small.run(kernel, scratch=scratch).double(), small.expected(), rtol=0, atol=2e-5)
     # per sequence and KV head, K and V of its keys rounded up to 16
     assert asked == [2 * 2 * (48 + 48) * 32, 2 * 2 * 16 * 32]
+
+
+def _fused_view(q: torch.Tensor) -> torch.Tensor:
+    """q's values as the first columns of a wider projection's rows: rows q.shape[1:].numel() + 40 apart."""
+    width = q[0].numel()
+    fused = torch.randn(q.shape[0], width + 40).to(q.dtype)
+    fused[:, :width] = q.flatten(1)
+    return fused[:, :width].view(q.shape)
+
+
+def test_strided_bfloat16_queries_are_read_in_place(kernel: PagedPrefillAttention) -> None:
+    """bfloat16 queries are read from their rows as they lie (no widened copy): a column view of a fused
+    projection gives the contiguous queries' bits."""
+    case = Case(12, [(20, 13), (33, 0)], block_size=16, head_dim=32, group=4)
+    case.pool, case.q = case.pool.bfloat16(), case.q.bfloat16()
+    want = case.run(kernel)
+    case.q = _fused_view(case.q)
+    assert not case.q.is_contiguous() and case.q.stride(0) == case.q[0].numel() + 40
+    assert torch.equal(case.run(kernel), want)
 
 
 def test_rejects_inconsistent_inputs(kernel: PagedPrefillAttention) -> None:

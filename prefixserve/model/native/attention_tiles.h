@@ -324,15 +324,15 @@ static inline long request_points(long panels, long d) { return panels * (1 + (d
 /* The bfloat16 dot-product body (a bfloat16 pool, CPUs with avx512_bf16): keys stay bfloat16, packed
  * as pairs of neighbouring dimensions, one 32-bit word a pair ([D/2][16] words a panel: half the bytes
  * of a widened panel, and no widening), and S = Q K^T runs on vdpbf16ps, each lane summing the exact
- * products of two dimensions into float32. Queries arrive widened from bfloat16, so their pairs are
- * exact too; the scores are scaled after the products instead of the queries before. The softmax runs
- * in float32; P V runs on vdpbf16ps too: the probabilities rounded once to bfloat16 (to nearest even,
- * as a bfloat16 GPU kernel rounds them for its P V GEMM) and V kept bfloat16, both as pairs of
- * neighbouring keys, so each lane sums exact products in float32. Every row of both kernels, decode's
- * few-row tasks included, goes through these same tiles, so prefill and decode still give a token the
- * same bits (an earlier try rounded P in the prefill tiles only: a preempted sequence, recomputing in
- * a prefill the K/V its decode steps had made, then moved a greedy token). Head dims of whole 16-element
- * rows (every model's) take it. */
+ * products of two dimensions into float32. Queries are bfloat16 values (prefill reads their word pairs
+ * as they are, decode gets them widened), so their pairs are exact too; the scores are scaled after the
+ * products instead of the queries before. The softmax runs in float32; P V runs on vdpbf16ps too:
+ * the probabilities rounded once to bfloat16 (to nearest even, as a bfloat16 GPU kernel rounds them
+ * for its P V GEMM) and V kept bfloat16, both as pairs of neighbouring keys, so each lane sums exact
+ * products in float32. Every row of both kernels, decode's few-row tasks included, goes through
+ * these same tiles, so prefill and decode still give a token the same bits (an earlier try rounded P
+ * in the prefill tiles only: a preempted sequence, recomputing in a prefill the K/V its decode steps
+ * had made, then moved a greedy token). Head dims of whole 16-element rows (every model's) take it. */
 
 /* The 16 K rows of a panel (at[j]: where key j's row starts, negative past the sequence) as word pairs,
  * transposed into kt [D/2][16]: the 8 x 8 float transpose moves 32-bit words, here pairs of bfloat16 */

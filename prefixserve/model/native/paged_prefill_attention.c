@@ -41,8 +41,11 @@
  * tiles: 32 tokens over 1024 cached 2.5 -> 1.9 ms, 512 fresh 10.1 -> 7.7 ms, 512 over 1024 36 -> 29 ms.
  *
  * q: token t, head j at q[t * q_stride + j * D]; out: [T, H, D] contiguous, only the rows of the
- * sequences served are written; work: the floats paged_prefill_workspace() asks for, which also
- * checks the arguments.
+ * sequences served are written; both in the pool's dtype (a bfloat16 pool's queries are read as they
+ * are and its outputs rounded to nearest even as they are stored: widening the queries and rounding
+ * the output with torch took 7.5 ms a layer of a 1560-token long-doc-qa step whose attention takes 16,
+ * two fresh float32 tensors of its size faulted in each call); work: the floats paged_prefill_workspace()
+ * asks for, which also checks the arguments.
  * Requires D % 8 == 0.
  */
 #include <immintrin.h>
@@ -136,10 +139,46 @@ static long block_tokens(long group, const long* starts, long batch, long min_ql
     return nt;
 }
 
-void paged_prefill_attention(const float* q, long q_stride, const void* pool, int pool_bf16, const long* tables,
+/* a query row's D elements widened to float into dst (bfloat16 rows: their bits are a float's upper half) */
+static void widen_row(const void* row, int bf16, long d, float* dst) {
+    for (long e = 0; e < d; e += 8) _mm256_storeu_ps(dst + e, pool_load8(row, bf16, e));
+}
+
+/* Word i of query row r holds its dimensions 2i (low half) and 2i + 1 (high half): two neighbouring
+ * bfloat16 elements are that word already. Rows without a source are zeros. */
+static void pack_query_words(const unsigned short* const* rows, long d, unsigned* qw) {
+    for (int r = 0; r < MR; r++)
+        for (long i = 0; i < d / 2; i++) {
+            unsigned w = 0;
+            if (rows[r]) memcpy(&w, rows[r] + 2 * i, 4);
+            qw[i * MR + r] = w;
+        }
+}
+
+/* dst[0..D) = o[0..D) * inv, in float32 or rounded to the nearest even bfloat16 (NaN to a quiet NaN), as
+ * torch rounds a float32 tensor into bfloat16 */
+static void store_row(void* dst, int bf16, const float* o, float inv, long d) {
+    const __m256 s = _mm256_set1_ps(inv);
+    for (long e = 0; e < d; e += 8) {
+        const __m256 x = _mm256_mul_ps(s, _mm256_loadu_ps(o + e));
+        if (!bf16) {
+            _mm256_storeu_ps((float*)dst + e, x);
+            continue;
+        }
+        const __m256i u = _mm256_castps_si256(x);
+        const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                              _mm256_set1_epi32(0x7FFF));
+        __m256i h = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+        h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+        h = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0xD8);
+        _mm_storeu_si128((__m128i*)((unsigned short*)dst + e), _mm256_castsi256_si128(h));
+    }
+}
+
+void paged_prefill_attention(const void* q, long q_stride, const void* pool, int pool_bf16, const long* tables,
                              const long* seq_lens, const long* starts, long batch, long heads,
                              long kv_heads, long head_dim, long num_blocks, long block_size, long table_width,
-                             long min_qlen, float scale, float* out, float* work, int body, int threads) {
+                             long min_qlen, float scale, void* out, float* work, int body, int threads) {
     const long d = head_dim, group = heads / kv_heads;
     /* body: 0 the AVX2 tiles, 1 the AVX-512 tiles, 2 those with a bfloat16 pool's keys in word pairs */
     /* a bfloat16 pool's keys in word pairs (head dims of whole 16-element rows: every model's) */
@@ -234,6 +273,7 @@ void paged_prefill_attention(const float* q, long q_stride, const void* pool, in
         long at[KT];
         long* pos = malloc(sizeof(long) * rows_max * 2);
         unsigned* qw = key_words ? malloc(sizeof(unsigned) * rows_max * d / 2) : NULL;   /* Q panels in word pairs */
+        float* qrows = pool_bf16 && !key_words ? malloc(sizeof(float) * MR * d) : NULL;  /* a panel's rows widened */
         long* vis = pos + rows_max;
 
         /* phase 2: work items */
@@ -261,18 +301,28 @@ void paged_prefill_attention(const float* q, long q_stride, const void* pool, in
 
             /* Q panels [D][6], scaled; rows past the item's are zeros at its last token's position */
             for (long p = 0; p < panels; p++) {
-                const float* src[MR];
+                const char* src[MR];
                 for (long r = p * MR; r < p * MR + MR; r++) {
                     long t = r < rows ? r / group : w.nt - 1;
-                    src[r - p * MR] = r < rows ? q + (first + t) * q_stride + (w.h * group + r % group) * d : NULL;
+                    src[r - p * MR] = r < rows ? (const char*)q + elt * ((first + t) * q_stride + (w.h * group + r % group) * d)
+                                               : NULL;
                     pos[r] = ctx + w.t0 + t;
                     m[r] = -INFINITY;
                     l[r] = 0.0f;
                 }
-                if (key_words)
-                    pack_queries_bf16(src, d, qw + p * MR * (d / 2));
-                else
-                    for (long e = 0; e < d; e += 8) gather_transposed(src, MR, e, qs, qp + p * MR * d + e * MR, MR);
+                if (key_words) {
+                    pack_query_words((const unsigned short* const*)src, d, qw + p * MR * (d / 2));
+                    continue;
+                }
+                const float* rows_f[MR];
+                for (int r = 0; r < MR; r++) {
+                    rows_f[r] = (const float*)src[r];
+                    if (qrows && src[r]) {
+                        widen_row(src[r], 1, d, qrows + r * d);
+                        rows_f[r] = qrows + r * d;
+                    }
+                }
+                for (long e = 0; e < d; e += 8) gather_transposed(rows_f, MR, e, qs, qp + p * MR * d + e * MR, MR);
             }
             memset(o, 0, sizeof(float) * panels * MR * d);
 
@@ -327,12 +377,11 @@ void paged_prefill_attention(const float* q, long q_stride, const void* pool, in
 
             for (long r = 0; r < rows; r++) {
                 long t = r / group, g = r % group;
-                float* dst = out + ((first + t) * heads + w.h * group + g) * d;
-                __m256 inv = _mm256_set1_ps(1.0f / l[r]);
-                for (long e = 0; e < d; e += 8)
-                    _mm256_storeu_ps(dst + e, _mm256_mul_ps(inv, _mm256_loadu_ps(o + r * d + e)));
+                store_row((char*)out + elt * ((first + t) * heads + w.h * group + g) * d, pool_bf16, o + r * d,
+                          1.0f / l[r], d);
             }
         }
+        free(qrows);
         free(qw);
         free(pos);
         free(qp);

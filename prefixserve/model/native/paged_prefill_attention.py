@@ -55,8 +55,8 @@ class PagedPrefillAttention:
 
     @staticmethod
     def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        # A bfloat16 pool is widened to float32 as the kernel packs it; its queries are widened
-        # here (a few rows) and the float32 result rounded once into the caller's dtype.
+        # Queries and output are in the pool's dtype: the kernel reads bfloat16 queries as they are
+        # and rounds each float32 output row once as it stores it.
         return (q.device.type == "cpu" and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
                 and q.dtype == kv_cache.dtype and q.dtype in (torch.float32, torch.bfloat16)
                 and q.shape[-1] % 8 == 0)
@@ -66,8 +66,8 @@ class PagedPrefillAttention:
                  min_query_len: int = 1,
                  scratch: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
         """Writes the rows of the sequences with at least min_query_len queries into `out` (a new
-        tensor, zero elsewhere, when not given) and returns it; with a bfloat16 pool the other rows
-        of `out` are zeroed too. `scratch(n)`: at least n contiguous
+        tensor, zero elsewhere, when not given; the other rows of a given one are left as they are)
+        and returns it. `scratch(n)`: at least n contiguous
         float32 elements the call may overwrite (each served sequence's keys, packed per KV head), for
         callers that keep one buffer across calls; a fresh tensor when None."""
         tokens, heads, head_dim = q.shape
@@ -89,25 +89,19 @@ class PagedPrefillAttention:
                                min_query_len, tokens, tables.shape[1] * block_size)
         if need < 0:
             raise ValueError(_ERRORS[need])
-        bf16 = kv_cache.dtype == torch.bfloat16
-        if bf16:
-            q = q.float()
-        elif q.stride(2) != 1 or q.stride(1) != head_dim:
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
             q = q.contiguous()
         if out is None:
             out = torch.zeros(tokens, heads, head_dim, dtype=kv_cache.dtype)
         elif out.shape != q.shape or out.dtype != kv_cache.dtype or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {kv_cache.dtype} tensor of shape {tuple(q.shape)}")
-        result = torch.zeros(tokens, heads, head_dim, dtype=torch.float32) if bf16 else out
         work = torch.empty(need, dtype=torch.float32) if scratch is None else scratch(need)
         if work.numel() < need or work.dtype != torch.float32 or not work.is_contiguous():
             raise ValueError(f"scratch must give {need} contiguous float32 elements")
-        self._fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), int(bf16), tables.data_ptr(), seq_lens.data_ptr(),
-                 query_start_loc.data_ptr(), batch, heads, kv_heads, head_dim, num_blocks, block_size,
-                 tables.shape[1], min_query_len, scale, result.data_ptr(), work.data_ptr(), BODY_CODES[self.body],
-                 torch.get_num_threads())
-        if bf16:
-            out.copy_(result)
+        self._fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16),
+                 tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(), batch, heads, kv_heads,
+                 head_dim, num_blocks, block_size, tables.shape[1], min_query_len, scale, out.data_ptr(),
+                 work.data_ptr(), BODY_CODES[self.body], torch.get_num_threads())
         return out
 
 
