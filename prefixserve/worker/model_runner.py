@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from prefixserve.model.attention.metadata import AttentionMetadata, token_layout
+from prefixserve.model.decode_program import DecodeProgram
 from prefixserve.model.huge_pages import zeros_on_huge_pages
 from prefixserve.model.kv_layout import kv_cache_bytes_per_block, kv_cache_shape
 from prefixserve.model.loader import LoadedModel
@@ -85,6 +86,8 @@ class ModelRunner:
         # Built now, not on the first request: the first request is not slowed by compiles,
         # and which kernels are active (and why not) is known from the start.
         self.kernels = load_all() if self.device.type == "cpu" else {}
+        # decode-only steps as one fixed sequence of kernel calls, where the model and kernels allow
+        self.decode_program = DecodeProgram.build(self.model, self.kv_caches)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -163,7 +166,11 @@ class ModelRunner:
         # On an accelerator the grammar masks are computed while the forward runs (mask_worker.py).
         masks = self.sampler.start_masks(rows)
         try:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+            program = self.decode_program
+            if program is not None and program.applies(inputs.attn_metadata, inputs.input_ids.numel()):
+                hidden = program.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
             if not inputs.num_logit_rows:
                 return SampleResult(token_ids=[])
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))

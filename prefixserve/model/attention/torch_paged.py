@@ -88,6 +88,11 @@ class TorchPagedAttention(AttentionBackend):
         self._decode_kernel = default_kernel() if use_native else None
         self._prefill_kernel = paged_prefill_attention.default_kernel() if use_native else None
 
+    @property
+    def decode_kernel(self) -> PagedDecodeAttention | None:
+        """The native decode kernel this backend runs where a step's metadata holds its tables."""
+        return self._decode_kernel
+
     def build_metadata(self, common: AttentionMetadata) -> TorchPagedMetadata:
         # the native kernel carries a run's state into a sequence's own blocks at a softmax tile's edge
         kernel = self._decode_kernel

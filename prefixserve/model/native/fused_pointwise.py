@@ -41,7 +41,9 @@ class FusedPointwise:
         for fn in (self._add_rms_norm, self._qk_norm_rope, self._silu_and_mul, *self._bf16.values()):
             fn.restype = None
 
-    def _fn(self, name: str, dtype: torch.dtype):
+    def function(self, name: str, dtype: torch.dtype):
+        """The C function `name` for `dtype` itself, unchecked: for callers that check their operands once
+        and call it many times (model/decode_program.py). The methods below are the checked calls."""
         return self._bf16[name] if dtype == torch.bfloat16 else getattr(self, "_" + name)
 
     @staticmethod
@@ -74,7 +76,7 @@ class FusedPointwise:
         if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
             raise ValueError(f"rms_norm: residual {tuple(residual.shape)} must be contiguous, shaped like x")
         out = torch.empty_like(x)
-        self._fn("add_rms_norm", x.dtype)(target.data_ptr(), _ptr(None if residual is None else x), weight.data_ptr(), eps,
+        self.function("add_rms_norm", x.dtype)(target.data_ptr(), _ptr(None if residual is None else x), weight.data_ptr(), eps,
                            out.data_ptr(), x.numel() // n, n, torch.get_num_threads())
         return out
 
@@ -95,7 +97,7 @@ class FusedPointwise:
                     else t.reshape(tokens, half).to(qkv.dtype).contiguous() for t in (cos, sin))
         q = qkv.new_empty(tokens, q_heads, head_dim)
         k = qkv.new_empty(tokens, k_heads, head_dim)
-        self._fn("qk_norm_rope", qkv.dtype)(qkv.data_ptr(), qkv.stride(0), q_heads, k_heads, head_dim, _ptr(q_weight),
+        self.function("qk_norm_rope", qkv.dtype)(qkv.data_ptr(), qkv.stride(0), q_heads, k_heads, head_dim, _ptr(q_weight),
                            _ptr(k_weight), eps, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
                            tokens, torch.get_num_threads())
         return q, k
@@ -106,7 +108,7 @@ class FusedPointwise:
             raise ValueError(f"silu_and_mul: gate_up {tuple(gate_up.shape)} must be contiguous [T, 2 I], I % 8 == 0")
         tokens, width = gate_up.shape
         out = gate_up.new_empty(tokens, width // 2)
-        self._fn("silu_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), tokens, width // 2, torch.get_num_threads())
+        self.function("silu_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), tokens, width // 2, torch.get_num_threads())
         return out
 
 

@@ -33,9 +33,11 @@ class PackedGemm:
     """The loaded kernel: `__call__(x, panels, n, bias)` for x [m, k] contiguous bfloat16 and `pack`'s panels."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._fn = library.packed_gemm_bf16
-        self._fn.restype = None
-        self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+        # (x, panels, bias or 0, y, m, n, k, threads); public, unchecked, for callers that check their operands
+        # once and call it many times (model/decode_program.py)
+        self.function = library.packed_gemm_bf16
+        self.function.restype = None
+        self.function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
         m, k = x.shape
@@ -56,7 +58,7 @@ class PackedGemm:
                              f"panels {tuple(panels.shape)}")
         y = torch.empty(m, n, dtype=torch.bfloat16)
         if m and n:
-            self._fn(x.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+            self.function(x.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
                      m, n, k, torch.get_num_threads())
         return y
 

@@ -59,6 +59,8 @@ class PagedDecodeAttention:
     `partial(...)` -> the DecodeState a later `__call__(..., carry=state)` finishes. `tables(...)` checks
     tables and lengths once for `run` and `run_partial`, which take them checked."""
 
+    POOL_ARGUMENT = 1       # where the pool's data pointer sits in the C call's arguments
+
     def __init__(self, library: ctypes.CDLL, body: str | None = None) -> None:
         self._fn = library.paged_decode_attention
         self._fn.restype = None
@@ -128,6 +130,18 @@ class PagedDecodeAttention:
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: KernelTables, scale: float,
             carry: DecodeState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`__call__` over checked tables."""
+        q = q.contiguous()      # held here: the arguments hold only its address
+        arguments, state, lse = self.prepare_run(q, kv_cache, tables, scale, carry)
+        self._fn(*arguments)
+        return state.acc, lse
+
+    def prepare_run(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: KernelTables, scale: float,
+                    carry: DecodeState | None = None) -> tuple[list, DecodeState, torch.Tensor]:
+        """`run` checked but not called: (the C call's arguments, the state it writes, whose acc becomes the
+        output, lse). The arguments hold addresses only: the caller keeps q (contiguous), the pool, the
+        tables, the state and lse alive.
+        The pool's data pointer is argument POOL_ARGUMENT: a caller running the same call over every
+        layer's pool (pools of one shape and dtype) checks once and swaps it (model/decode_program.py)."""
         if carry is None:
             state = DecodeState.fresh(q.shape, filled=False)
         else:
@@ -136,20 +150,25 @@ class PagedDecodeAttention:
         lse = torch.empty(q.shape[:3], dtype=torch.float32)
         if tables.members is not None:
             raise ValueError("a shared run's tables are for run_partial")
-        self._launch(q, kv_cache, tables, scale, state, lse, carry is not None, True)
-        return state.acc, lse
+        return self._arguments(q, kv_cache, tables, scale, state, lse, carry is not None, True), state, lse
 
     def run_partial(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: KernelTables, scale: float,
                     into: DecodeState) -> None:
         """`partial` over checked tables, written into `into` (shaped like q). Tables made with members
         hold one shared run, attended once with those sequences' queries (rows of q's first dimension)
         stacked as the rows of one task per KV head; only their rows of `into` are written."""
+        q = q.contiguous()      # held here: the arguments hold only its address
+        self._fn(*self.prepare_run_partial(q, kv_cache, tables, scale, into))
+
+    def prepare_run_partial(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: KernelTables, scale: float,
+                            into: DecodeState) -> list:
+        """`run_partial` checked but not called: the C call's arguments (see `prepare_run`)."""
         if not tables.whole_tiles:
             raise ValueError(f"a partial pass must cover whole tiles of {self.tile_keys} keys")
         self._check_state(into, q.shape, "into")
         if tables.sequences > q.shape[0]:
             raise ValueError(f"a member lies outside the {q.shape[0]} sequences of q")
-        self._launch(q, kv_cache, tables, scale, into, None, False, False)
+        return self._arguments(q, kv_cache, tables, scale, into, None, False, False)
 
     @staticmethod
     def _check_state(state: DecodeState, shape: torch.Size, name: str) -> None:
@@ -159,10 +178,11 @@ class PagedDecodeAttention:
             raise ValueError(f"{name} must hold contiguous float32 acc [B, KVH, R, D], m and l [B, KVH, R] "
                              "matching q")
 
-    def _launch(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: KernelTables, scale: float,
-                state: DecodeState, lse: torch.Tensor | None, carry_in: bool, finalize: bool) -> None:
-        """lse: None for a partial pass (only a finished one writes it)."""
-        q = q.contiguous()
+    def _arguments(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: KernelTables, scale: float,
+                   state: DecodeState, lse: torch.Tensor | None, carry_in: bool, finalize: bool) -> list:
+        """One C call's arguments, checked; lse: None for a partial pass (only a finished one writes it)."""
+        if not q.is_contiguous():
+            raise ValueError("q must be contiguous")
         batch, kv_heads, rows, head_dim = q.shape
         _, num_blocks, block_size, pool_heads, pool_dim = kv_cache.shape
         width, members = tables.tables.shape[1], tables.members
@@ -174,11 +194,16 @@ class PagedDecodeAttention:
             raise ValueError("a length runs past its block table")
         if q.dtype != torch.float32 or not self.supports(q, kv_cache):
             raise ValueError("needs float32 queries, a contiguous float32 or bfloat16 CPU pool and head_dim % 8 == 0")
-        self._fn(q.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), tables.tables.data_ptr(),
-                 tables.lens.data_ptr(), tasks, kv_heads, task_rows, head_dim, num_blocks, block_size, width, scale,
-                 state.acc.data_ptr(), 0 if lse is None else lse.data_ptr(), state.m.data_ptr(), state.l.data_ptr(),
-                 int(carry_in), int(finalize), 0 if members is None else members.data_ptr(), rows,
-                 BODY_CODES[self.body], torch.get_num_threads())
+        return [q.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), tables.tables.data_ptr(),
+                tables.lens.data_ptr(), tasks, kv_heads, task_rows, head_dim, num_blocks, block_size, width, scale,
+                state.acc.data_ptr(), 0 if lse is None else lse.data_ptr(), state.m.data_ptr(), state.l.data_ptr(),
+                int(carry_in), int(finalize), 0 if members is None else members.data_ptr(), rows,
+                BODY_CODES[self.body], torch.get_num_threads()]
+
+    @property
+    def function(self):
+        """The C function `prepare_run` and `prepare_run_partial` give the arguments of."""
+        return self._fn
 
 
 def _agrees_with_torch(kernel: PagedDecodeAttention) -> bool:
