@@ -21,6 +21,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "simd.h"
+
 #define PARALLEL_MIN_FLOATS 16384
 
 static inline float hsum(__m256 v) {
@@ -107,21 +109,6 @@ static inline void norm_rotate(const float* src, float* dst, const float* weight
 
 static inline __m256 load_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
-/* round to nearest even, as torch's float -> bfloat16 conversion (finite values) */
-static inline __m256 round_bf16(__m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
-    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
-}
-
-static inline void store_bf16(uint16_t* p, __m256 v) {
-    __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
-    /* packus works within 128-bit lanes: [a0..a3 a0..a3 | a4..a7 a4..a7] -> a0..a7 in the low half */
-    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(hi, hi), 0xD8);
-    _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
 }
 
 static inline float inv_rms_bf16(const uint16_t* x, long n, float eps) {

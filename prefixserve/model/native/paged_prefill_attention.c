@@ -50,6 +50,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -155,23 +156,15 @@ static void pack_query_words(const unsigned short* const* rows, long d, unsigned
         }
 }
 
-/* dst[0..D) = o[0..D) * inv, in float32 or rounded to the nearest even bfloat16 (NaN to a quiet NaN), as
- * torch rounds a float32 tensor into bfloat16 */
+/* dst[0..D) = o[0..D) * inv, in float32 or rounded to the nearest even bfloat16 (store_bf16, as torch rounds) */
 static void store_row(void* dst, int bf16, const float* o, float inv, long d) {
     const __m256 s = _mm256_set1_ps(inv);
     for (long e = 0; e < d; e += 8) {
         const __m256 x = _mm256_mul_ps(s, _mm256_loadu_ps(o + e));
-        if (!bf16) {
+        if (bf16)
+            store_bf16((uint16_t*)dst + e, x);
+        else
             _mm256_storeu_ps((float*)dst + e, x);
-            continue;
-        }
-        const __m256i u = _mm256_castps_si256(x);
-        const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
-                                              _mm256_set1_epi32(0x7FFF));
-        __m256i h = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-        h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
-        h = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0xD8);
-        _mm_storeu_si128((__m128i*)((unsigned short*)dst + e), _mm256_castsi256_si128(h));
     }
 }
 

@@ -1,10 +1,11 @@
 /* What several kernels of this folder share: the AVX-512 target attribute, forced inlining, the
- * 4-way lane sum and the coefficients of the polynomial 2^x. Included by the .c files, whose build
- * cache key covers every header here (build.py). */
+ * 4-way lane sum, the coefficients of the polynomial 2^x and the float32 -> bfloat16 rounding torch does.
+ * Included by the .c files, whose build cache key covers every header here (build.py). */
 #ifndef PREFIXSERVE_SIMD_H
 #define PREFIXSERVE_SIMD_H
 
 #include <immintrin.h>
+#include <stdint.h>
 
 /* AVX-512 bodies carry their own target attribute (the build flags stay AVX2); callers run them only
  * where torch reports the features (CPU and OS). */
@@ -45,5 +46,20 @@ AVX512_TARGET static ALWAYS_INLINE __m128 reduce4(__m512 a0, __m512 a1, __m512 a
 #define EXP2_C2 2.4022120e-1f
 #define EXP2_C1 6.9314694e-1f
 #define EXP2_C0 1.0000001f
+
+/* round to nearest even, as torch's float -> bfloat16 conversion (finite values) */
+static inline __m256 round_bf16(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline void store_bf16(uint16_t* p, __m256 v) {
+    __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
+    /* packus works within 128-bit lanes: [a0..a3 a0..a3 | a4..a7 a4..a7] -> a0..a7 in the low half */
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(hi, hi), 0xD8);
+    _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(packed));
+}
 
 #endif
