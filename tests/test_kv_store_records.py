@@ -5,6 +5,7 @@ truncation of a valid record must be refused, and only the exact expected block 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 
@@ -14,6 +15,7 @@ from prefixserve.kv.hashing import BlockHasher, encode_extra_keys, token_bytes
 from prefixserve.kv.stores import (BackgroundWriter, BlockMeta, KeyScope, RecordError, StoreChain,
                                    open_store, parse_size, parse_store_url)
 from prefixserve.kv.stores.mem import MemStore
+from prefixserve.kv.stores.file import FileStore
 from prefixserve.kv.stores.record import encode, encode_head, verify
 
 SCOPE = KeyScope(weights_digest="w0", kv_dtype="float32", block_size=4, kv_layout="L2x[K,V]x4x1x2",
@@ -110,7 +112,7 @@ def test_the_stores_read_path_refuses_every_flip_and_truncation(tmp_path, kind: 
     meta = chain_metas(list(range(8)))[1]
     payload = bytes(range(64))
     record = encode(SCOPE.digest, meta, payload)
-    store = open_store(f"mem://" if kind == "mem" else f"file://{tmp_path}")
+    store = open_store("mem://" if kind == "mem" else f"file://{tmp_path}")
     chain = StoreChain([store], SCOPE)
     store.put(SCOPE.key(meta.block_hash), (record,))
     assert load(chain, [meta], len(payload)) == [payload]
@@ -173,6 +175,40 @@ def test_a_full_memory_store_spills_its_oldest_records_into_the_next_store(tmp_p
     assert load(chain, metas, len(payload)) == [payload] * len(metas)
     stats = chain.stats()
     assert stats[0].hits == 3 and stats[1].hits == len(metas) - 3
+
+
+class _WatchedFileStore(FileStore):
+    """A file store that asks, as each record arrives, whether the chain above it can still
+    serve that record (it is on its way down: a lookup now must not miss it)."""
+
+    def __init__(self, spec) -> None:
+        super().__init__(spec)
+        self.chain: StoreChain | None = None
+        self.unseen: list[str] = []
+
+    def put(self, key, parts, spill=False):
+        block_hash = next(m.block_hash for m in self.metas if SCOPE.key(m.block_hash) == key)
+        if self.chain.holds([block_hash]) != [0]:
+            self.unseen.append(key)
+        return super().put(key, parts, spill)
+
+
+@pytest.mark.parametrize("upper", ["mem", "file"])
+def test_a_record_spilling_down_is_found_all_the_way(tmp_path, upper) -> None:
+    metas = chain_metas(list(range(30)))
+    payload = b"\x05" * 100
+    size = len(encode(SCOPE.digest, metas[0], payload))
+    top = open_store(f"mem://?size={3 * size}" if upper == "mem"
+                     else f"file://{tmp_path / 'top'}?size={3 * size}")
+    below = _WatchedFileStore(parse_store_url(f"file://{tmp_path / 'below'}"))
+    chain = StoreChain([top, below], SCOPE)
+    below.chain, below.metas = chain, metas
+    for m in metas:
+        chain.write(m, payload)
+    assert below.usage()[0] == len(metas) - 3 and not below.unseen
+    assert top.usage() == (3, 3 * size)   # what moved down has left the store above
+    assert chain.holds([m.block_hash for m in metas]) == [1] * (len(metas) - 3) + [0] * 3
+    assert load(chain, metas, len(payload)) == [payload] * len(metas)
 
 
 def test_a_file_store_indexes_its_directory_without_reading_blocks(tmp_path, monkeypatch) -> None:
@@ -241,6 +277,28 @@ def test_the_writer_drops_and_counts_when_its_queue_is_full() -> None:
     assert 2 <= sum(accepted) <= 3
     assert chain.stats()[0].dropped_writes == len(metas) - sum(accepted)
     assert store.usage()[0] == sum(accepted)
+
+
+def test_blocks_queued_for_the_writer_are_found_before_they_are_written() -> None:
+    gate = threading.Event()
+    store = _GatedMemStore(parse_store_url("mem://?size=1MiB"), gate)
+    chain = StoreChain([store], SCOPE)
+    writer = BackgroundWriter(chain, max_queue_bytes=450)
+    metas = chain_metas(list(range(32)))
+    payloads = [bytes([i + 1]) * 100 for i in range(len(metas))]
+    accepted = [writer.submit(m, p, 100) for m, p in zip(metas, payloads)]
+    queued = 4   # 450 bytes take four (the one the writer holds counts until written)
+    assert accepted == [True] * queued + [False] * (len(metas) - queued)
+    assert store.usage()[0] == 0   # nothing written yet: the gate holds the writer
+    assert chain.holds([m.block_hash for m in metas]) == [0] * queued + [None] * (len(metas) - queued)
+    assert load(chain, metas, 100) == payloads[:queued]
+    gate.set()
+    writer.close(timeout=10)
+    assert store.usage()[0] == queued and not chain._staged
+    assert load(chain, metas, 100) == payloads[:queued]
+    # Staged under the same hash but another meta: never served for this one.
+    chain.stage(dataclasses.replace(metas[0], tokens=metas[1].tokens), payloads[7])
+    assert load(chain, [metas[0]], 100) == [payloads[0]]   # the stored record, not the staged
 
 
 def test_a_refused_record_is_served_by_the_next_store_that_holds_it(tmp_path):

@@ -53,8 +53,11 @@ class KVStore(ABC):
 
     @abstractmethod
     def put(self, key: str, parts: RecordParts, spill: bool = False) -> list[tuple[str, bytes]]:
-        """Stores a record; with spill, returns the records evicted to make room (for the
-        next store)."""
+        """Stores a record and makes room for it. Without spill, what it evicts is deleted. With
+        spill, it returns the records chosen to make room (for the next store) and keeps
+        them readable (no longer counted in its usage) until the caller deletes each one once it has moved it on: a lookup
+        meanwhile finds a record on its way down in one store or the other, never in
+        neither."""
 
     @abstractmethod
     def delete(self, key: str) -> None:

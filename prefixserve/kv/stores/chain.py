@@ -41,6 +41,9 @@ class StoreChain:
         self._down_until = [0.0] * len(self.stores)
         self._failing = [False] * len(self.stores)
         self._readers: Optional[ThreadPoolExecutor] = None   # started by the first batched read
+        # Blocks queued for writing and not yet placed, by hash: lookups find them here, so
+        # a block evicted from the pool is never recomputed for want of a slow writer.
+        self._staged: dict[bytes, tuple[BlockMeta, object]] = {}
 
     # ------------------------------------------------------------- faults
     def _up(self, i: int) -> bool:
@@ -66,7 +69,9 @@ class StoreChain:
         """For each block hash, the index of the first store that holds it (None: none does).
         One batched call per store; nothing is read or verified."""
         keys = [self.scope.key(h) for h in block_hashes]
-        found: list[Optional[int]] = [None] * len(keys)
+        with self._lock:
+            # A staged block is read from the staging and counted for the first store.
+            found: list[Optional[int]] = [0 if h in self._staged else None for h in block_hashes]
         for i, store in enumerate(self.stores):
             todo = [j for j, f in enumerate(found) if f is None]
             if not todo or not self._up(i):
@@ -130,12 +135,14 @@ class StoreChain:
         """Reads and verifies blocks from store i into their targets, a few at a time (reads
         and checksums release the GIL); whether each was loaded. A record that fails
         verification is counted, logged and deleted."""
-        if not self._up(i):
-            return [False] * len(metas)
+        up = self._up(i)
         store = self.stores[i]
         payload_bytes = sum(b.nbytes for b in targets[0])
 
         def one(k: int) -> tuple[Optional[int], Optional[RecordError]]:
+            size = self._read_staged(metas[k], targets[k])
+            if size is not None or not up:
+                return size, None
             head = encode_head(self._scope_digest, metas[k], payload_bytes)
             got_head, checksum = bytearray(len(head)), bytearray(CHECKSUM_BYTES)
             size = store.read_into(self.scope.key(metas[k].block_hash),
@@ -159,7 +166,8 @@ class StoreChain:
         except StoreError as exc:
             self._fault(i, exc)
             return [False] * len(metas)
-        self._ok(i)
+        if up:
+            self._ok(i)
         ok = []
         with self._lock:
             st = self._stats[i]
@@ -175,6 +183,22 @@ class StoreChain:
                 self._delete_quietly(i, key)
         return ok
 
+    def _read_staged(self, meta: BlockMeta, buffers: Sequence[memoryview]) -> Optional[int]:
+        """Copies a staged block's payload into buffers; its size, None when not staged. Our
+        own memory, so nothing to verify but that it is the block asked for."""
+        with self._lock:
+            staged = self._staged.get(meta.block_hash)
+        if staged is None or staged[0] != meta:
+            return None
+        view = memoryview(staged[1]).cast("B")
+        if view.nbytes != sum(b.nbytes for b in buffers):
+            return None
+        pos = 0
+        for b in buffers:
+            b[:] = view[pos:pos + b.nbytes]
+            pos += b.nbytes
+        return view.nbytes
+
     def _delete_quietly(self, i: int, key: str) -> None:
         try:
             self.stores[i].delete(key)
@@ -182,9 +206,23 @@ class StoreChain:
             self._fault(i, exc)
 
     # -------------------------------------------------------------- writes
+    def stage(self, meta: BlockMeta, payload) -> None:
+        """Makes a block queued for writing findable until write() has placed it."""
+        with self._lock:
+            self._staged[meta.block_hash] = (meta, payload)
+
     def write(self, meta: BlockMeta, payload, persistent_only: bool = False) -> None:
         """Writes a block into the first (persistent, with persistent_only) store that is up,
-        unless it holds the block already; what that store evicts spills onward."""
+        unless it holds the block already; what that store evicts spills onward. Then it is
+        no longer staged."""
+        try:
+            self._write(meta, payload, persistent_only)
+        finally:
+            with self._lock:
+                if self._staged.get(meta.block_hash, (None,))[0] == meta:
+                    del self._staged[meta.block_hash]
+
+    def _write(self, meta: BlockMeta, payload, persistent_only: bool) -> None:
         key = self.scope.key(meta.block_hash)
         for i, store in enumerate(self.stores):
             if persistent_only and not store.persistent:
@@ -203,22 +241,30 @@ class StoreChain:
 
     def _put(self, i: int, key: str, parts) -> None:
         """Puts a record into store i and spills its evictions into the stores after it."""
-        pending = [(i, key, parts)]
+        # (store, key, record, the store above it still holds it in, if it is spilling)
+        pending: list[tuple[int, str, tuple, Optional[int]]] = [(i, key, parts, None)]
         while pending:
-            i, key, parts = pending.pop()
+            i, key, parts, above = pending.pop()
             spill = i + 1 < len(self.stores)
+            evicted = []
             try:
                 evicted = self.stores[i].put(key, parts, spill=spill)
             except StoreError as exc:
                 self._fault(i, exc)
-                continue
-            self._ok(i)
-            size = sum(memoryview(p).nbytes for p in parts)
-            with self._lock:
-                self._stats[i].writes += 1
-                self._stats[i].bytes_written += size
-            if spill:
-                pending += [(i + 1, k, (v,)) for k, v in evicted if self._up(i + 1)]
+            else:
+                self._ok(i)
+                size = sum(memoryview(p).nbytes for p in parts)
+                with self._lock:
+                    self._stats[i].writes += 1
+                    self._stats[i].bytes_written += size
+            if above is not None:
+                # Only now, placed below (or lost with a failing store), does it leave.
+                self._delete_quietly(above, key)
+            for k, v in evicted:
+                if self._up(i + 1):
+                    pending.append((i + 1, k, (v,), i))
+                else:
+                    self._delete_quietly(i, k)
 
     def note_dropped(self, n: int = 1) -> None:
         with self._lock:

@@ -34,6 +34,8 @@ class FileStore(KVStore):
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()   # key -> size, oldest first
         self._bytes = 0
+        # Evicted with spill and not yet deleted by the chain: on disk, no longer counted.
+        self._leaving: set[str] = set()
         self._tmp_ids = itertools.count()
         try:
             os.makedirs(self.root, exist_ok=True)
@@ -112,7 +114,7 @@ class FileStore(KVStore):
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
-            held = [k in self._index for k in keys]
+            held = [k in self._index or k in self._leaving for k in keys]
         for i, key in enumerate(keys):
             if not held[i]:
                 # Written by another process since this one indexed the directory.
@@ -149,13 +151,20 @@ class FileStore(KVStore):
                 k, s = self._index.popitem(last=False)
                 self._bytes -= s
                 victims.append(k)
+                if spill:
+                    self._leaving.add(k)
         evicted = []
         for k in victims:
             p = self._path(k)
-            try:
-                if spill:
+            if spill:   # the caller deletes it once it has moved it on
+                try:
                     with open(p, "rb") as f:
                         evicted.append((k, f.read()))
+                    continue
+                except OSError as exc:
+                    logger.debug("reading %s to spill it: %s", p, exc)
+                    self._forget(k)
+            try:
                 os.unlink(p)
             except OSError as exc:
                 logger.debug("evicting %s: %s", p, exc)
@@ -171,6 +180,7 @@ class FileStore(KVStore):
 
     def _forget(self, key: str) -> None:
         with self._lock:
+            self._leaving.discard(key)
             size = self._index.pop(key, None)
             if size is not None:
                 self._bytes -= size

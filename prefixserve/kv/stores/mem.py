@@ -14,6 +14,8 @@ class MemStore(KVStore):
         super().__init__(spec)
         self.capacity = spec.size
         self._records: OrderedDict[str, bytes] = OrderedDict()
+        # Evicted with spill and not yet deleted by the chain: readable, no longer counted.
+        self._leaving: dict[str, bytes] = {}
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -22,11 +24,12 @@ class MemStore(KVStore):
             data = self._records.get(key)
             if data is not None:
                 self._records.move_to_end(key)
-            return data
+                return data
+            return self._leaving.get(key)
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
-            return [k in self._records for k in keys]
+            return [k in self._records or k in self._leaving for k in keys]
 
     def put(self, key: str, parts: RecordParts, spill: bool = False) -> list[tuple[str, bytes]]:
         data = b"".join(parts)
@@ -40,7 +43,9 @@ class MemStore(KVStore):
             while self._bytes + len(data) > self.capacity:
                 k, v = self._records.popitem(last=False)
                 self._bytes -= len(v)
-                evicted.append((k, v))
+                if spill:
+                    self._leaving[k] = v
+                    evicted.append((k, v))
             self._records[key] = data
             self._bytes += len(data)
         return evicted
@@ -50,6 +55,7 @@ class MemStore(KVStore):
             old = self._records.pop(key, None)
             if old is not None:
                 self._bytes -= len(old)
+            self._leaving.pop(key, None)
 
     def scan(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         with self._lock:

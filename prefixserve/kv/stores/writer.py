@@ -44,6 +44,7 @@ class BackgroundWriter:
             if self._queue and self._queued_bytes + nbytes > self.max_queue_bytes:
                 self.chain.note_dropped()
                 return False
+            self.chain.stage(meta, payload)   # before the writer thread can take it
             self._queue.append((meta, payload, nbytes, persistent_only))
             self._queued_bytes += nbytes
             self._cond.notify_all()
