@@ -196,7 +196,9 @@ AVX512_TARGET static ALWAYS_INLINE void tile_pv512(float* o, long ldo, const flo
 }
 
 /* One row of a tile: scores s[0..valid) (log2 domain) update the running max m and sum l, become
- * probabilities, and s[valid..cols) become 0; returns the factor the row's output must be scaled by. */
+ * probabilities, and s[valid..cols) become 0; returns the factor the row's output must be scaled by.
+ * The row's sum runs in the order softmax_row512 runs it: blocks of 8 in two accumulators, alternately
+ * (one 16-lane accumulator's halves), added before the lane sum, so both bodies give the same bits. */
 static inline float softmax_row(float* s, long valid, long cols, float* m, float* l) {
     if (valid <= 0) {
         for (long j = 0; j < cols; j += 8) _mm256_storeu_ps(s + j, _mm256_setzero_ps());
@@ -211,14 +213,58 @@ static inline float softmax_row(float* s, long valid, long cols, float* m, float
     float m_new = hmax(top);
     if (*m > m_new) m_new = *m;
     float alpha = exp2f(*m - m_new);                       /* 0 on a row's first tile (m = -inf) */
-    __m256 mx = _mm256_set1_ps(m_new), sum = _mm256_setzero_ps();
+    __m256 mx = _mm256_set1_ps(m_new), sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (j = 0; j < cols; j += 8) {
         __m256 e = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), mx));
         if (j + 8 > valid) e = _mm256_and_ps(e, lanes_below(j, valid));
-        sum = _mm256_add_ps(sum, e);
+        sum[(j / 8) & 1] = _mm256_add_ps(sum[(j / 8) & 1], e);
         _mm256_storeu_ps(s + j, e);
     }
-    *l = *l * alpha + hsum(sum);
+    *l = *l * alpha + hsum(_mm256_add_ps(sum[0], sum[1]));
+    *m = m_new;
+    return alpha;
+}
+
+/* exp2_ps in 16 lanes: the same operations on each lane, so the same bits */
+AVX512_TARGET static ALWAYS_INLINE __m512 exp2_512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(EXP2_C5);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C1));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C0));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* softmax_row in 16 lanes (cols a multiple of 8): half the instructions of the exponentials, which were
+ * a third of prefill attention's time outside its products (Zen 5 EPYC) */
+AVX512_TARGET static float softmax_row512(float* s, long valid, long cols, float* m, float* l) {
+    if (valid <= 0) {
+        for (long j = 0; j < cols; j += 16)
+            _mm512_mask_storeu_ps(s + j, (__mmask16)(cols - j >= 16 ? 0xFFFF : 0xFF), _mm512_setzero_ps());
+        return 1.0f;
+    }
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (long j = 0; j < valid; j += 16) {
+        const __mmask16 in = valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (valid - j)) - 1);
+        top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), in, s + j));
+    }
+    float m_new = _mm512_reduce_max_ps(top);
+    if (*m > m_new) m_new = *m;
+    float alpha = exp2f(*m - m_new);
+    __m512 mx = _mm512_set1_ps(m_new), sum = _mm512_setzero_ps();
+    for (long j = 0; j < cols; j += 16) {
+        const __mmask16 stored = cols - j >= 16 ? 0xFFFF : 0xFF;
+        const __mmask16 in = valid - j >= 16 ? 0xFFFF : valid <= j ? 0 : (__mmask16)((1u << (valid - j)) - 1);
+        __m512 e = _mm512_maskz_mov_ps(in, exp2_512(_mm512_sub_ps(_mm512_maskz_loadu_ps(stored, s + j), mx)));
+        sum = _mm512_add_ps(sum, e);
+        _mm512_mask_storeu_ps(s + j, stored, e);
+    }
+    *l = *l * alpha + hsum(_mm256_add_ps(_mm512_castps512_ps256(sum), _mm512_extractf32x8_ps(sum, 1)));
     *m = m_new;
     return alpha;
 }

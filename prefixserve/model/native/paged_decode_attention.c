@@ -325,7 +325,10 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                 else if (rows == 3) scores_few(qp, kt, d, s, n, few_pairs, &ahead, 3);
                 else if (avx512) scores512(qp, kt, d, s, vis, panels, &ahead);
                 else scores(qp, kt, d, s, vis, panels);
-                for (long r = 0; r < padded; r++) alpha[r] = softmax_row(s + r * KT, n, round_up(n, 8), m + r, l + r);
+                /* a few-row task's padding rows are never read: no softmax for them */
+                for (long r = 0; r < (few ? rows : padded); r++)
+                    alpha[r] = avx512 ? softmax_row512(s + r * KT, n, round_up(n, 8), m + r, l + r)
+                                      : softmax_row(s + r * KT, n, round_up(n, 8), m + r, l + r);
                 for (long j = 0; few && j < n; j++) vrow[j] = at[j] + v_offset;
                 if (key_words && few) {
                     probabilities_bf16(s, rows, pw);

@@ -351,7 +351,8 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                     for (long r = p * MR; r < p * MR + MR; r++) {
                         long valid = pos[r] - k0 + 1;
                         valid = valid <= 0 ? 0 : valid > KT ? KT : valid;
-                        alpha[r] = softmax_row(s + r * KT, valid, cols, m + r, l + r);
+                        alpha[r] = avx512 ? softmax_row512(s + r * KT, valid, cols, m + r, l + r)
+                                          : softmax_row(s + r * KT, valid, cols, m + r, l + r);
                     }
                 }
                 /* O = alpha O + P V, a slab of V at a time across the row panels */
