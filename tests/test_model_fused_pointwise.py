@@ -1,4 +1,5 @@
-"""The fused pointwise kernels against float64 references, their dispatch from the layers, and fallbacks.
+"""The fused pointwise kernels against float64 references in every body this CPU runs, the bodies against
+each other (bit for bit), their dispatch from the layers, and fallbacks.
 
 As with the other kernels, these tests fail rather than skip where a project machine
 (x86 with AVX2 and a C compiler) silently does not build them: every layer of every
@@ -14,11 +15,19 @@ from prefixserve.model import layers
 from prefixserve.model.layers import GatedMLP, RMSNorm
 from native_kernel_build import build_fresh, needs_kernel
 from prefixserve.model.native.fused_pointwise import FusedPointwise, load
+from prefixserve.model.native.isa import AVX2, ISAS, best_isa
+
+BODIES = ISAS[: ISAS.index(best_isa()) + 1]
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory) -> FusedPointwise:
+def library(tmp_path_factory) -> FusedPointwise:
     return build_fresh(load, tmp_path_factory)
+
+
+@pytest.fixture(params=BODIES)
+def kernel(request, library) -> FusedPointwise:
+    return library.with_body(request.param)
 
 
 def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -121,6 +130,36 @@ def test_silu_and_mul_over_the_float_range(kernel: FusedPointwise, rows: int) ->
     want = F.silu(gate.double()) * up.double()
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width,head_dim", [(8, 16), (24, 48), (136, 80), (1024, 128)])
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_every_body_gives_the_avx2_bits(library: FusedPointwise, dtype, width: int, head_dim: int, rows: int) -> None:
+    """A token computes the same bits whichever body runs it: its K/V cached by one process (or written
+    to a shared store) meets queries computed by another on a CPU of another width. Widths and half
+    head dims that are not whole 16-lane vectors run the wider bodies' tails."""
+    gen = torch.Generator().manual_seed(rows * 7 + width)
+    x, residual = (torch.randn(rows, width, generator=gen) * 3).to(dtype), torch.randn(rows, width, generator=gen).to(dtype)
+    w = torch.randn(width, generator=gen).to(dtype)
+    gate_up = (torch.randn(rows, 2 * width, generator=gen) * 6).to(dtype)
+    qkv = torch.randn(rows, 4 * head_dim, generator=gen).to(dtype)
+    qw, kw = torch.randn(head_dim, generator=gen).to(dtype), torch.randn(head_dim, generator=gen).to(dtype)
+    angles = torch.randint(0, 4096, (rows, 1), generator=gen).float() * torch.rand(head_dim // 2, generator=gen)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def everything(kernel: FusedPointwise) -> list[torch.Tensor]:
+        summed = residual.clone()
+        return [kernel.rms_norm(x, w, 1e-6), kernel.rms_norm(x, w, 1e-6, summed), summed,
+                kernel.silu_and_mul(gate_up), *kernel.qk_norm_rope(qkv, 2, 1, head_dim, qw, kw, 1e-6, cos, sin),
+                *kernel.qk_norm_rope(qkv, 2, 1, head_dim, None, None, 0.0, cos, sin)]
+
+    with with_threads(2):
+        want = everything(library.with_body(AVX2))
+        for body in BODIES[1:]:
+            for got, expected in zip(everything(library.with_body(body)), want):
+                assert torch.equal(got, expected), body
 
 
 @needs_kernel

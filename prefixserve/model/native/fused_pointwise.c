@@ -12,6 +12,13 @@
  *
  * Rows are split among `threads` OpenMP threads; a call too small to pay for waking them runs on one.
  *
+ * Each function has an AVX-512 body too (suffix _512; the caller picks it where the CPU runs it): the
+ * same operations on each lane in 16 lanes, and sums over a row in the same order (blocks of 8
+ * alternating between two 8-lane sums, one 16-lane sum's halves), so both bodies give the same bits.
+ * The exponential and the division make these kernels compute-bound: 16 lanes take half the time
+ * (prefill of 1560 tokens of a 0.6B model, bfloat16, per layer: SiLU 1.29 -> 0.67 ms; Zen 5 EPYC,
+ * 2 threads).
+ *
  * The *_bf16 variants take and return bfloat16 (as uint16_t bits) and compute in float32. The norms round
  * where the torch path and HF do (the normalised value, then its product with the weight); rotation
  * and gating round once, at the end. A row's result never depends on the other rows of the call, so
@@ -112,12 +119,12 @@ static inline __m256 load_bf16(const uint16_t* p) {
 }
 
 static inline float inv_rms_bf16(const uint16_t* x, long n, float eps) {
-    __m256 a0 = _mm256_setzero_ps();
+    __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (long i = 0; i < n; i += 8) {
         __m256 u = load_bf16(x + i);
-        a0 = _mm256_fmadd_ps(u, u, a0);
+        a[(i / 8) & 1] = _mm256_fmadd_ps(u, u, a[(i / 8) & 1]);
     }
-    return 1.0f / sqrtf(hsum(a0) / (float)n + eps);
+    return 1.0f / sqrtf(hsum(_mm256_add_ps(a[0], a[1])) / (float)n + eps);
 }
 
 void add_rms_norm_bf16(uint16_t* residual, const uint16_t* delta, const uint16_t* weight, float eps,
@@ -199,3 +206,152 @@ QK_NORM_ROPE(, float, norm_rotate)
 QK_NORM_ROPE(_bf16, uint16_t, norm_rotate_bf16)
 SILU_AND_MUL(, float, load_f32, store_f32)
 SILU_AND_MUL(_bf16, uint16_t, load_bf16, store_bf16)
+
+/* ------------------------------------------------------------------ AVX-512 bodies */
+
+/* The first `n` (<= 16) lanes, the rest zero */
+#define LANES(n) ((__mmask16)((n) >= 16 ? 0xFFFF : (1u << (n)) - 1))
+/* BODY for i = 0, 16, ... < n with k the lanes of [i, n): whole vectors under a constant mask (masked loads
+ * and stores under a computed one took 1.5x the time), then the rest */
+#define EACH16(i, n, k, ...)                                                                               \
+    do {                                                                                                   \
+        long i = 0;                                                                                        \
+        for (; i + 16 <= (n); i += 16) { const __mmask16 k = 0xFFFF; __VA_ARGS__ }                         \
+        if (i < (n)) { const __mmask16 k = LANES((n) - i); __VA_ARGS__ }                                   \
+    } while (0)
+
+AVX512_TARGET static ALWAYS_INLINE __m512 load16_f32(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+AVX512_TARGET static ALWAYS_INLINE void store16_f32(float* p, __m512 v, __mmask16 k) { _mm512_mask_storeu_ps(p, k, v); }
+
+AVX512_TARGET static ALWAYS_INLINE __m512 load16_bf16(const uint16_t* p, __mmask16 k) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
+/* round_bf16 in 16 lanes */
+AVX512_TARGET static ALWAYS_INLINE __m512 round16_bf16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+AVX512_TARGET static ALWAYS_INLINE void store16_bf16(uint16_t* p, __m512 v, __mmask16 k) {
+    _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round16_bf16(v)), 16)));
+}
+
+/* exp256 in 16 lanes */
+AVX512_TARGET static ALWAYS_INLINE __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+}
+
+/* The sum of squares in inv_rms's order: lanes 0-7 of `a` are its a0, lanes 8-15 its a1 (n % 8 == 0) */
+#define INV_RMS_512(S, T)                                                                                   \
+AVX512_TARGET static ALWAYS_INLINE float inv_rms##S##_512(const T* x, long n, float eps) {                \
+    __m512 a = _mm512_setzero_ps();                                                                        \
+    EACH16(i, n, k, __m512 u = load16##S(x + i, k); a = _mm512_fmadd_ps(u, u, a););                       \
+    return 1.0f / sqrtf(hsum(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1))) / (float)n + eps); \
+}
+INV_RMS_512(_f32, float)
+INV_RMS_512(_bf16, uint16_t)
+
+AVX512_TARGET void add_rms_norm_512(float* residual, const float* delta, const float* weight, float eps, float* out,
+                                    long rows, long n, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= PARALLEL_MIN_FLOATS)
+    for (long t = 0; t < rows; t++) {
+        float* x = residual + t * n;
+        if (delta != 0)
+            EACH16(i, n, k, store16_f32(x + i, _mm512_add_ps(load16_f32(x + i, k), load16_f32(delta + t * n + i, k)), k););
+        __m512 r = _mm512_set1_ps(inv_rms_f32_512(x, n, eps));
+        EACH16(i, n, k, store16_f32(out + t * n + i, _mm512_mul_ps(_mm512_mul_ps(load16_f32(x + i, k), r),
+                                                                   load16_f32(weight + i, k)), k););
+    }
+}
+
+AVX512_TARGET void add_rms_norm_bf16_512(uint16_t* residual, const uint16_t* delta, const uint16_t* weight, float eps,
+                                         uint16_t* out, long rows, long n, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= PARALLEL_MIN_FLOATS)
+    for (long t = 0; t < rows; t++) {
+        uint16_t* x = residual + t * n;
+        if (delta != 0)
+            EACH16(i, n, k, store16_bf16(x + i, _mm512_add_ps(load16_bf16(x + i, k), load16_bf16(delta + t * n + i, k)), k););
+        __m512 r = _mm512_set1_ps(inv_rms_bf16_512(x, n, eps));
+        EACH16(i, n, k, store16_bf16(out + t * n + i, _mm512_mul_ps(round16_bf16(_mm512_mul_ps(load16_bf16(x + i, k), r)),
+                                                                    load16_bf16(weight + i, k)), k););
+    }
+}
+
+/* norm_rotate and norm_rotate_bf16 in 16 lanes: ROUND where the bfloat16 one rounds (d % 16 == 0) */
+#define NORM_ROTATE_512(S, T, ROUND)                                                                       \
+AVX512_TARGET static ALWAYS_INLINE void norm_rotate##S##_512(const T* src, T* dst, const T* weight, float eps, \
+                                                            const T* cos, const T* sin, long d) {          \
+    const long half = d / 2;                                                                               \
+    __m512 r = _mm512_set1_ps(weight != 0 ? inv_rms##S##_512(src, d, eps) : 1.0f);                        \
+    EACH16(i, half, k,                                                                                     \
+        __m512 x1 = load16##S(src + i, k), x2 = load16##S(src + half + i, k);                             \
+        if (weight != 0) {                                                                                 \
+            x1 = ROUND(_mm512_mul_ps(ROUND(_mm512_mul_ps(x1, r)), load16##S(weight + i, k)));             \
+            x2 = ROUND(_mm512_mul_ps(ROUND(_mm512_mul_ps(x2, r)), load16##S(weight + half + i, k)));      \
+        } else {                                                                                           \
+            x1 = _mm512_mul_ps(x1, r);                                                                     \
+            x2 = _mm512_mul_ps(x2, r);                                                                     \
+        }                                                                                                  \
+        __m512 c = load16##S(cos + i, k), s = load16##S(sin + i, k);                                      \
+        store16##S(dst + i, _mm512_fmsub_ps(x1, c, _mm512_mul_ps(x2, s)), k);                             \
+        store16##S(dst + half + i, _mm512_fmadd_ps(x2, c, _mm512_mul_ps(x1, s)), k););                    \
+}
+
+/* without weights r is 1, and x * 1 is x: the bfloat16 body's skipped multiply */
+#define NO_ROUND(v) (v)
+NORM_ROTATE_512(_f32, float, NO_ROUND)
+NORM_ROTATE_512(_bf16, uint16_t, round16_bf16)
+
+#define SILU_AND_MUL_512(N, S, T)                                                                          \
+AVX512_TARGET void silu_and_mul##N##_512(const T* gate_up, T* out, long rows, long n, int threads) {      \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (rows * n >= PARALLEL_MIN_FLOATS)") \
+    for (long t = 0; t < rows; t++) {                                                                      \
+        const T* g = gate_up + t * 2 * n;                                                                  \
+        const T* u = g + n;                                                                                \
+        T* y = out + t * n;                                                                                \
+        const __m512 one = _mm512_set1_ps(1.0f);                                                           \
+        EACH16(i, n, k,                                                                                    \
+            __m512 x = load16##S(g + i, k);                                                                \
+            __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), x)))); \
+            store16##S(y + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), load16##S(u + i, k)), k););             \
+    }                                                                                                      \
+}
+
+/* qk_norm_rope's row driver over a 16-lane head body (N: the symbol's dtype suffix, S: the body's) */
+#define QK_NORM_ROPE_512(N, S, T)                                                                          \
+AVX512_TARGET void qk_norm_rope##N##_512(const T* qkv, long row_stride, long q_heads, long k_heads, long d, \
+                                          const T* q_weight, const T* k_weight, float eps, const T* cos,   \
+                                          const T* sin, T* q_out, T* k_out, long rows, int threads) {      \
+    const long heads = q_heads + k_heads;                                                                  \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (rows * heads * d >= PARALLEL_MIN_FLOATS)") \
+    for (long t = 0; t < rows; t++) {                                                                      \
+        const T* src = qkv + t * row_stride;                                                               \
+        const T* c = cos + t * (d / 2);                                                                    \
+        const T* s = sin + t * (d / 2);                                                                    \
+        for (long h = 0; h < q_heads; h++)                                                                 \
+            norm_rotate##S##_512(src + h * d, q_out + (t * q_heads + h) * d, q_weight, eps, c, s, d);      \
+        for (long h = 0; h < k_heads; h++)                                                                 \
+            norm_rotate##S##_512(src + (q_heads + h) * d, k_out + (t * k_heads + h) * d, k_weight, eps, c, s, d); \
+    }                                                                                                      \
+}
+
+SILU_AND_MUL_512(, _f32, float)
+SILU_AND_MUL_512(_bf16, _bf16, uint16_t)
+QK_NORM_ROPE_512(, _f32, float)
+QK_NORM_ROPE_512(_bf16, _bf16, uint16_t)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from prefixserve.model.native.build import load_default, load_kernel
+from prefixserve.model.native.isa import AVX2, ISAS, best_isa
 
 _float_p, _long, _int, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
@@ -25,26 +26,35 @@ def _ptr(t: torch.Tensor | None) -> int:
 class FusedPointwise:
     """The loaded kernels. Operands must pass `supports` (float32, CPU, contiguous rows of whole vectors)."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._add_rms_norm = library.add_rms_norm
-        self._add_rms_norm.argtypes = [_float_p, _float_p, _float_p, _float, _float_p, _long, _long, _int]
-        self._qk_norm_rope = library.qk_norm_rope
-        self._qk_norm_rope.argtypes = ([_float_p, _long, _long, _long, _long, _float_p, _float_p, _float,
-                                        _float_p, _float_p, _float_p, _float_p, _long, _int])
-        self._silu_and_mul = library.silu_and_mul
-        self._silu_and_mul.argtypes = [_float_p, _float_p, _long, _long, _int]
-        # the same signatures over bfloat16 bits (pointers are untyped here)
-        self._bf16 = {name: getattr(library, name + "_bf16") for name in ("add_rms_norm", "qk_norm_rope",
-                                                                          "silu_and_mul")}
-        for name, fn in self._bf16.items():
-            fn.argtypes = getattr(library, name).argtypes
-        for fn in (self._add_rms_norm, self._qk_norm_rope, self._silu_and_mul, *self._bf16.values()):
-            fn.restype = None
+    NAMES = ("add_rms_norm", "qk_norm_rope", "silu_and_mul")
+
+    def __init__(self, library: ctypes.CDLL, body: str | None = None) -> None:
+        self._library = library
+        # the widest body the CPU runs: the AVX-512 one gives the same bits in half the time
+        self.body = best_isa() if body is None else body
+        if self.body not in ISAS:
+            raise ValueError(f"unknown body {self.body!r}; one of {ISAS}")
+        wide = "" if self.body == AVX2 else "_512"
+        argtypes = {"add_rms_norm": [_float_p, _float_p, _float_p, _float, _float_p, _long, _long, _int],
+                    "qk_norm_rope": [_float_p, _long, _long, _long, _long, _float_p, _float_p, _float,
+                                     _float_p, _float_p, _float_p, _float_p, _long, _int],
+                    "silu_and_mul": [_float_p, _float_p, _long, _long, _int]}
+        # float32 and bfloat16 take the same signatures (pointers are untyped here)
+        self._fns = {}
+        for name in self.NAMES:
+            for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
+                fn = getattr(library, name + suffix + wide)
+                fn.argtypes, fn.restype = argtypes[name], None
+                self._fns[name, dtype] = fn
+
+    def with_body(self, body: str) -> "FusedPointwise":
+        """The same library through another body (tests compare them; the caller checks the CPU)."""
+        return FusedPointwise(self._library, body)
 
     def function(self, name: str, dtype: torch.dtype):
         """The C function `name` for `dtype` itself, unchecked: for callers that check their operands once
         and call it many times (model/decode_program.py). The methods below are the checked calls."""
-        return self._bf16[name] if dtype == torch.bfloat16 else getattr(self, "_" + name)
+        return self._fns[name, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32]
 
     @staticmethod
     def supports(*tensors: torch.Tensor | None, multiple: int = 8) -> bool:
