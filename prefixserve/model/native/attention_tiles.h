@@ -333,6 +333,7 @@ typedef struct {
     const long* table;          /* the block table of the keys' sequence */
     long elt, block_size, token_stride, v_offset, head, row_bytes;
     long j, j1, c;              /* the next key and byte of its row to request; the key to stop before */
+    long block, slot;           /* key j's entry of the table and slot in its block (no division per line) */
     long per;                   /* lines of K (and as many of V) a request_more asks for */
 } TileRequest;
 
@@ -342,18 +343,21 @@ static inline TileRequest tile_request(const void* pool, long elt, const long* t
                                        long points) {
     const long row_bytes = d * elt, lines = j1 > j0 ? (j1 - j0) * ((row_bytes + 63) / 64) : 0;
     return (TileRequest){(const char*)pool, table, elt, block_size, token_stride, v_offset, head, row_bytes,
-                         j0, j1, 0, (lines + points - 1) / points};
+                         j0, j1, 0, j0 / block_size, j0 % block_size, (lines + points - 1) / points};
 }
 
 /* the next `per` lines of the request (t NULL: none) */
 static inline void request_more(TileRequest* t) {
     if (!t) return;
     for (long n = 0; n < t->per && t->j < t->j1; n++) {
-        const char* row = t->pool + t->elt * ((t->table[t->j / t->block_size] * t->block_size + t->j % t->block_size)
-                                              * t->token_stride + t->head);
+        const char* row = t->pool + t->elt * ((t->table[t->block] * t->block_size + t->slot) * t->token_stride + t->head);
         _mm_prefetch(row + t->c, _MM_HINT_T0);
         _mm_prefetch(row + t->elt * t->v_offset + t->c, _MM_HINT_T0);
-        if ((t->c += 64) >= t->row_bytes) { t->c = 0; t->j++; }
+        if ((t->c += 64) >= t->row_bytes) {
+            t->c = 0;
+            t->j++;
+            if (++t->slot == t->block_size) { t->slot = 0; t->block++; }
+        }
     }
 }
 
@@ -410,26 +414,43 @@ static void pack_queries_bf16(const float* const* rows, long d, unsigned* qw) {
         }
 }
 
-/* s[r, 0..16 np) = qscale * sum_i qw[i, r] . panel_j[i, 0..16) over np = 1-4 consecutive word panels */
+/* CALL(common arguments..., nr) with nr = 1..MR a constant: a row panel's real rows, each count its own
+ * body (a task's last panel holds rows % MR of them; its padding rows are never read, and skipping them
+ * changes no other row: each row has accumulators of its own) */
+#define FOR_ROWS(nr, CALL, ...)                                                                            \
+    switch (nr) {                                                                                          \
+        case 1: CALL(__VA_ARGS__, 1); break;                                                               \
+        case 2: CALL(__VA_ARGS__, 2); break;                                                               \
+        case 3: CALL(__VA_ARGS__, 3); break;                                                               \
+        case 4: CALL(__VA_ARGS__, 4); break;                                                               \
+        case 5: CALL(__VA_ARGS__, 5); break;                                                               \
+        default: CALL(__VA_ARGS__, MR); break;                                                             \
+    }
+
+/* the rows of row panel p of `panels` whose last holds `last` rows */
+static inline int panel_rows(long p, long panels, long last) { return p == panels - 1 ? (int)last : MR; }
+
+/* s[r, 0..16 np) = qscale * sum_i qw[i, r] . panel_j[i, 0..16) over np = 1-4 consecutive word panels, r < nr */
 AVX512_BF16_TARGET static ALWAYS_INLINE void tile_qk512_bf16(const unsigned* qw, const float* kp, long d, float* s,
-                                                            long lds, __m512 qscale, const int np) {
+                                                            long lds, __m512 qscale, const int np, const int nr) {
     __m512 c[MR][4];
-    for (int r = 0; r < MR; r++)
+    for (int r = 0; r < nr; r++)
         for (int j = 0; j < np; j++) c[r][j] = _mm512_setzero_ps();
     for (long i = 0; i < d / 2; i++, qw += MR) {
         __m512bh k[4];
         for (int j = 0; j < np; j++) k[j] = (__m512bh)_mm512_loadu_ps(kp + j * KP * d / 2 + i * KP);
-        for (int r = 0; r < MR; r++) {
+        for (int r = 0; r < nr; r++) {
             __m512bh a = (__m512bh)_mm512_set1_epi32((int)qw[r]);
             for (int j = 0; j < np; j++) c[r][j] = _mm512_dpbf16_ps(c[r][j], a, k[j]);
         }
     }
-    for (int r = 0; r < MR; r++)
+    for (int r = 0; r < nr; r++)
         for (int j = 0; j < np; j++) _mm512_storeu_ps(s + r * lds + j * KP, _mm512_mul_ps(qscale, c[r][j]));
 }
 
+/* One tile's scores over the row panels, the last holding `last` rows (1..MR) */
 AVX512_BF16_TARGET static void scores512_bf16(const unsigned* qw, const float* kt, long d, float* s, const long* vis,
-                                              long panels, float qscale, TileRequest* ahead) {
+                                              long panels, long last, float qscale, TileRequest* ahead) {
     const __m512 qs = _mm512_set1_ps(qscale);
     for (long kk = 0; kk * KP < KT; kk += 4)
         for (long p = 0; p < panels; p++) {
@@ -437,11 +458,12 @@ AVX512_BF16_TARGET static void scores512_bf16(const unsigned* qw, const float* k
             float* sp = s + p * MR * KT + kk * KP;
             const unsigned* q = qw + p * MR * (d / 2);
             const float* k = kt + kk * KP * d / 2;
+            const int nr = panel_rows(p, panels, last);
             switch (panels_seen(vis[p], kk)) {
-                case 4: tile_qk512_bf16(q, k, d, sp, KT, qs, 4); break;
-                case 3: tile_qk512_bf16(q, k, d, sp, KT, qs, 3); break;
-                case 2: tile_qk512_bf16(q, k, d, sp, KT, qs, 2); break;
-                case 1: tile_qk512_bf16(q, k, d, sp, KT, qs, 1); break;
+                case 4: FOR_ROWS(nr, tile_qk512_bf16, q, k, d, sp, KT, qs, 4); break;
+                case 3: FOR_ROWS(nr, tile_qk512_bf16, q, k, d, sp, KT, qs, 3); break;
+                case 2: FOR_ROWS(nr, tile_qk512_bf16, q, k, d, sp, KT, qs, 2); break;
+                case 1: FOR_ROWS(nr, tile_qk512_bf16, q, k, d, sp, KT, qs, 1); break;
                 default: break;
             }
         }
@@ -452,10 +474,11 @@ AVX512_BF16_TARGET static void scores512_bf16(const unsigned* qw, const float* k
  * the keys at or past len. */
 static inline void tile_rows(const long* table, long block_size, long token_stride, long head, long k0, long n,
                              long len, long* at) {
-    for (long j = 0; j < round_up(n, KP); j++)
-        at[j] = k0 + j < len
-            ? (table[(k0 + j) / block_size] * block_size + (k0 + j) % block_size) * token_stride + head
-            : -1;
+    long block = k0 / block_size, slot = k0 % block_size;      /* one division a tile, not one a key */
+    for (long j = 0; j < round_up(n, KP); j++) {
+        at[j] = k0 + j < len ? (table[block] * block_size + slot) * token_stride + head : -1;
+        if (++slot == block_size) { slot = 0; block++; }
+    }
 }
 
 
@@ -512,29 +535,30 @@ AVX512_BF16_TARGET static ALWAYS_INLINE void pv_pair_bf16(__m512 (*acc)[4], cons
     }
 }
 
-/* o[r, 0..16 ns) = alpha[r] * o[r, ..] + sum over key pairs i < pairs of pw[r, 2i..2i+1] . slab_k[i] for r < 6,
+/* o[r, 0..16 ns) = alpha[r] * o[r, ..] + sum over key pairs i < pairs of pw[r, 2i..2i+1] . slab_k[i] for r < nr,
  * ns = 1-4 slabs of V pairs (slab k at v + k * slab floats) */
 AVX512_BF16_TARGET static ALWAYS_INLINE void tile_pv512_bf16(float* o, long ldo, const unsigned short* pw, long ldp,
                                                             const float* v, long slab, long pairs, const float* alpha,
-                                                            const int ns) {
+                                                            const int ns, const int nr) {
     __m512 c[MR][4];
-    for (int r = 0; r < MR; r++) {
+    for (int r = 0; r < nr; r++) {
         __m512 a = _mm512_set1_ps(alpha[r]);
         for (int k = 0; k < ns; k++) c[r][k] = _mm512_mul_ps(a, _mm512_loadu_ps(o + r * ldo + 16 * k));
     }
     for (long i = 0; i < pairs; i++) {
         __m512bh x[4];
         for (int k = 0; k < ns; k++) x[k] = (__m512bh)_mm512_loadu_ps(v + k * slab + i * 16);
-        pv_pair_bf16(c, pw, ldp, i, x, MR, ns);
+        pv_pair_bf16(c, pw, ldp, i, x, nr, ns);
     }
-    for (int r = 0; r < MR; r++)
+    for (int r = 0; r < nr; r++)
         for (int k = 0; k < ns; k++) _mm512_storeu_ps(o + r * ldo + 16 * k, c[r][k]);
 }
 
 /* values512 over bfloat16 probabilities (probabilities_bf16) and V pair slabs (pack_values_bf16, slab c
- * from vr + c * keys / 2 on, the tile's first key k0 even); D % 16 == 0 */
+ * from vr + c * keys / 2 on, the tile's first key k0 even), the last row panel holding `last` rows;
+ * D % 16 == 0 */
 AVX512_BF16_TARGET static void values512_bf16(float* o, long d, const unsigned short* pw, const float* vr, long keys,
-                                              long k0, const long* vis, const float* alpha, long panels,
+                                              long k0, const long* vis, const float* alpha, long panels, long last,
                                               TileRequest* ahead) {
     for (long c = 0; c < d;) {
         const int ns = d - c >= 64 ? 4 : (int)((d - c) / 16);
@@ -545,11 +569,13 @@ AVX512_BF16_TARGET static void values512_bf16(float* o, long d, const unsigned s
             const unsigned short* pp = pw + p * MR * KT;
             const float* v = vr + c * keys / 2 + k0 / 2 * 16;
             const long pairs = (vis[p] + 1) / 2;
+            const float* a = alpha + p * MR;
+            const int nr = panel_rows(p, panels, last);
             switch (ns) {
-                case 4: tile_pv512_bf16(op, d, pp, KT, v, 8 * keys, pairs, alpha + p * MR, 4); break;
-                case 3: tile_pv512_bf16(op, d, pp, KT, v, 8 * keys, pairs, alpha + p * MR, 3); break;
-                case 2: tile_pv512_bf16(op, d, pp, KT, v, 8 * keys, pairs, alpha + p * MR, 2); break;
-                default: tile_pv512_bf16(op, d, pp, KT, v, 8 * keys, pairs, alpha + p * MR, 1); break;
+                case 4: FOR_ROWS(nr, tile_pv512_bf16, op, d, pp, KT, v, 8 * keys, pairs, a, 4); break;
+                case 3: FOR_ROWS(nr, tile_pv512_bf16, op, d, pp, KT, v, 8 * keys, pairs, a, 3); break;
+                case 2: FOR_ROWS(nr, tile_pv512_bf16, op, d, pp, KT, v, 8 * keys, pairs, a, 2); break;
+                default: FOR_ROWS(nr, tile_pv512_bf16, op, d, pp, KT, v, 8 * keys, pairs, a, 1); break;
             }
         }
         c += 16 * ns;

@@ -255,7 +255,7 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
     const long block_stride = block_size * token_stride;
     const long v_offset = num_blocks * block_stride;          /* the V pool follows the K pool */
     const long elt = pool_bf16 ? 2 : 4;
-    const long panels = (rows + MR - 1) / MR, padded = panels * MR;
+    const long panels = (rows + MR - 1) / MR, padded = panels * MR, last = rows - (panels - 1) * MR;
     const float qscale = scale * 1.44269504088896341f;       /* scores in base 2, as in prefill */
     const __m256 qs = _mm256_set1_ps(qscale);
     /* a few rows (one sequence's G heads) read each V row in place, once: no V slabs to fill */
@@ -319,14 +319,14 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                                                  few ? FEW_REQUEST_POINTS : request_points(panels, d));
                 /* every row of a decode task sits after all of the tile's keys */
                 for (long p = 0; p < panels; p++) vis[p] = n;
-                if (key_words) scores512_bf16(qw, kt, d, s, vis, panels, qscale, &ahead);
+                if (key_words) scores512_bf16(qw, kt, d, s, vis, panels, last, qscale, &ahead);
                 else if (rows == 1) scores_few(qp, kt, d, s, n, few_pairs, &ahead, 1);
                 else if (rows == 2) scores_few(qp, kt, d, s, n, few_pairs, &ahead, 2);
                 else if (rows == 3) scores_few(qp, kt, d, s, n, few_pairs, &ahead, 3);
                 else if (avx512) scores512(qp, kt, d, s, vis, panels, &ahead);
                 else scores(qp, kt, d, s, vis, panels);
-                /* a few-row task's padding rows are never read: no softmax for them */
-                for (long r = 0; r < (few ? rows : padded); r++)
+                /* padding rows are never read where the tiles skip them (the bfloat16 body's, a few rows') */
+                for (long r = 0; r < (few || key_words ? rows : padded); r++)
                     alpha[r] = avx512 ? softmax_row512(s + r * KT, n, round_up(n, 8), m + r, l + r)
                                       : softmax_row(s + r * KT, n, round_up(n, 8), m + r, l + r);
                 for (long j = 0; few && j < n; j++) vrow[j] = at[j] + v_offset;
@@ -335,8 +335,8 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                     values_few_bf16(o, d, pw, pool, vrow, n, alpha, &ahead, rows);
                 }
                 else if (key_words) {
-                    probabilities_bf16(s, padded, pw);
-                    values512_bf16(o, d, pw, vr, KT, 0, vis, alpha, panels, &ahead);
+                    probabilities_bf16(s, rows, pw);
+                    values512_bf16(o, d, pw, vr, KT, 0, vis, alpha, panels, last, &ahead);
                 }
                 else if (rows == 1) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 1);
                 else if (rows == 2) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 2);

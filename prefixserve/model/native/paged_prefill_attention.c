@@ -340,7 +340,7 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                 const int led = k0 < shared[w.b];
                 const float* kpan = stream ? tile_k : (led ? lead_kt : kt) + (k0 / KP) * kstride;
                 if (key_words)
-                    scores512_bf16(qw, kpan, d, s, vis, panels, qscale, &ahead);
+                    scores512_bf16(qw, kpan, d, s, vis, panels, rows - (panels - 1) * MR, qscale, &ahead);
                 else if (avx512)
                     scores512(qp, kpan, d, s, vis, panels, &ahead);
                 else
@@ -348,7 +348,8 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                 for (long p = 0; p < panels; p++) {
                     if (!vis[p]) continue;
                     long cols = round_up(vis[p], 8);
-                    for (long r = p * MR; r < p * MR + MR; r++) {
+                    /* the bfloat16 body's tiles skip the padding rows of the last panel */
+                    for (long r = p * MR; r < p * MR + MR && (r < rows || !key_words); r++) {
                         long valid = pos[r] - k0 + 1;
                         valid = valid <= 0 ? 0 : valid > KT ? KT : valid;
                         alpha[r] = avx512 ? softmax_row512(s + r * KT, valid, cols, m + r, l + r)
@@ -359,8 +360,8 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                 const float* vslab = stream ? tile_v : led ? lead_vr : vr;
                 const long vkeys = stream ? KT : (led ? lead_pan : npan) * KP, vk0 = stream ? 0 : k0;
                 if (key_words) {
-                    probabilities_bf16(s, panels * MR, pw);
-                    values512_bf16(o, d, pw, vslab, vkeys, vk0, vis, alpha, panels, &ahead);
+                    probabilities_bf16(s, rows, pw);
+                    values512_bf16(o, d, pw, vslab, vkeys, vk0, vis, alpha, panels, rows - (panels - 1) * MR, &ahead);
                 }
                 else if (avx512)
                     values512(o, d, s, vslab, vkeys, vk0, vis, alpha, panels, &ahead);
