@@ -228,7 +228,10 @@ def _measure_serving_memory(config: BenchConfig, folder: Path, progress: _Progre
 
 def _repeats(config: BenchConfig, w: Workload) -> int:
     # no-sharing judges a 2% difference (caching on vs off): three back-to-back pairs, judged by their median.
-    return 3 if w.name == "no-sharing" and not config.quick else 1
+    # long-doc-qa's wall time is set against an ideal from the best limit readings of the run: one run of a
+    # few seconds drifts 5-10% with the shared machine (2.49-2.84 s back to back), so its fastest of three
+    # is what meets the best readings.
+    return 3 if w.name in ("no-sharing", "long-doc-qa") and not config.quick else 1
 
 
 def _alternating_best_of(progress: _Progress, first, second, w: Workload,
