@@ -33,20 +33,26 @@ static inline int panels_seen(long vis, long kk) {
     return n <= 0 ? 0 : n > 4 ? 4 : (int)n;
 }
 
-/* 2^x for x <= 0, relative error ~2e-7; inputs below -125 give ~2^-125 (callers mask what must be 0). */
-static inline __m256 exp2_ps(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-125.0f));
-    __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 f = _mm256_sub_ps(x, n);                       /* [-0.5, 0.5] */
-    __m256 p = _mm256_set1_ps(EXP2_C5);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C4));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C3));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C2));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C1));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C0));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+/* 2^x for x <= 0, relative error ~2e-7; inputs below -125 give ~2^-125 (callers mask what must be 0).
+ * Defined once over the vector width (W: the intrinsics' prefix, BITS: the register width, ROUND: the
+ * round-to-integer intrinsic), so exp2_ps (8 lanes) and exp2_512 (16) run the same operations on each
+ * lane: the softmax gives the same bits in both bodies. */
+#define DEFINE_EXP2(NAME, W, BITS, ROUND, ...)                                                             \
+__VA_ARGS__ static ALWAYS_INLINE __m##BITS NAME(__m##BITS x) {                                            \
+    x = W##_max_ps(x, W##_set1_ps(-125.0f));                                                               \
+    __m##BITS n = ROUND(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                                 \
+    __m##BITS f = W##_sub_ps(x, n);                       /* [-0.5, 0.5] */                                \
+    __m##BITS p = W##_set1_ps(EXP2_C5);                                                                    \
+    p = W##_fmadd_ps(p, f, W##_set1_ps(EXP2_C4));                                                          \
+    p = W##_fmadd_ps(p, f, W##_set1_ps(EXP2_C3));                                                          \
+    p = W##_fmadd_ps(p, f, W##_set1_ps(EXP2_C2));                                                          \
+    p = W##_fmadd_ps(p, f, W##_set1_ps(EXP2_C1));                                                          \
+    p = W##_fmadd_ps(p, f, W##_set1_ps(EXP2_C0));                                                          \
+    __m##BITS##i e = W##_slli_epi32(W##_add_epi32(W##_cvtps_epi32(n), W##_set1_epi32(127)), 23);           \
+    return W##_mul_ps(p, W##_castsi##BITS##_ps(e));                                                        \
 }
+DEFINE_EXP2(exp2_ps, _mm256, 256, _mm256_round_ps)
+DEFINE_EXP2(exp2_512, _mm512, 512, _mm512_roundscale_ps, AVX512_TARGET)
 
 static inline float hmax(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -225,21 +231,6 @@ static inline float softmax_row(float* s, long valid, long cols, float* m, float
     return alpha;
 }
 
-/* exp2_ps in 16 lanes: the same operations on each lane, so the same bits */
-AVX512_TARGET static ALWAYS_INLINE __m512 exp2_512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
-    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(EXP2_C5);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C0));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
 /* softmax_row in 16 lanes (cols a multiple of 8): half the instructions of the exponentials, which were
  * a third of prefill attention's time outside its products (Zen 5 EPYC) */
 AVX512_TARGET static float softmax_row512(float* s, long valid, long cols, float* m, float* l) {
@@ -267,6 +258,11 @@ AVX512_TARGET static float softmax_row512(float* s, long valid, long cols, float
     *l = *l * alpha + hsum(_mm256_add_ps(_mm512_castps512_ps256(sum), _mm512_extractf32x8_ps(sum, 1)));
     *m = m_new;
     return alpha;
+}
+
+/* a tile row's softmax in the widest body the caller's CPU runs (both give the same bits) */
+static inline float softmax_row_in(int avx512, float* s, long valid, long cols, float* m, float* l) {
+    return avx512 ? softmax_row512(s, valid, cols, m, l) : softmax_row(s, valid, cols, m, l);
 }
 
 /* r[i][j] <- r[j][i] for an 8 x 8 block held in registers */

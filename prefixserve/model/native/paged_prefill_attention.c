@@ -281,7 +281,7 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
             const long lead = leader[w.b], lead_pan = lead >= 0 ? round_up(seq_lens[lead], KP) / KP : 0;
             const float* lead_kt = lead >= 0 ? work + offset[lead] + w.h * 2 * lead_pan * KP * d : kt;
             const float* lead_vr = lead_kt + lead_pan * KP * d;
-            const long rows = w.nt * group, panels = (rows + MR - 1) / MR;
+            const long rows = w.nt * group, panels = (rows + MR - 1) / MR, last_rows = rows - (panels - 1) * MR;
             const long first = starts[w.b] + w.t0;
             const long last = ctx + w.t0 + w.nt - 1;             /* the block's furthest position */
             const int stream = (int)streamed[w.b];
@@ -340,7 +340,7 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                 const int led = k0 < shared[w.b];
                 const float* kpan = stream ? tile_k : (led ? lead_kt : kt) + (k0 / KP) * kstride;
                 if (key_words)
-                    scores512_bf16(qw, kpan, d, s, vis, panels, rows - (panels - 1) * MR, qscale, &ahead);
+                    scores512_bf16(qw, kpan, d, s, vis, panels, last_rows, qscale, &ahead);
                 else if (avx512)
                     scores512(qp, kpan, d, s, vis, panels, &ahead);
                 else
@@ -352,8 +352,7 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                     for (long r = p * MR; r < p * MR + MR && (r < rows || !key_words); r++) {
                         long valid = pos[r] - k0 + 1;
                         valid = valid <= 0 ? 0 : valid > KT ? KT : valid;
-                        alpha[r] = avx512 ? softmax_row512(s + r * KT, valid, cols, m + r, l + r)
-                                          : softmax_row(s + r * KT, valid, cols, m + r, l + r);
+                        alpha[r] = softmax_row_in(avx512, s + r * KT, valid, cols, m + r, l + r);
                     }
                 }
                 /* O = alpha O + P V, a slab of V at a time across the row panels */
@@ -361,7 +360,7 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                 const long vkeys = stream ? KT : (led ? lead_pan : npan) * KP, vk0 = stream ? 0 : k0;
                 if (key_words) {
                     probabilities_bf16(s, rows, pw);
-                    values512_bf16(o, d, pw, vslab, vkeys, vk0, vis, alpha, panels, rows - (panels - 1) * MR, &ahead);
+                    values512_bf16(o, d, pw, vslab, vkeys, vk0, vis, alpha, panels, last_rows, &ahead);
                 }
                 else if (avx512)
                     values512(o, d, s, vslab, vkeys, vk0, vis, alpha, panels, &ahead);
