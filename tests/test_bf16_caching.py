@@ -2,12 +2,13 @@
 prefix comes from the pool (computed by another request, in another batch) gets exactly the
 tokens and log-probabilities it gets with caching off, where every token is computed afresh.
 
-The tokens must be equal exactly. In bfloat16 on a CPU with avx512_bf16 (packed weights, native/packed_gemm.c), so
-are the log-probabilities, bit for bit: every product runs through one kernel whose row results do not
-depend on the batch, and decode attention carries a shared run's softmax state into each sequence's
-own blocks instead of merging two finished halves. Elsewhere they are equal up to the last bits only:
-a row computed in a batch of another size may round differently (oneDNN and MKL pick kernels by
-shape), measured at ~5e-7 in float32 on this test.
+The tokens must be equal exactly. Where the model's weights are packed (native/packed_gemm.c: bfloat16
+on a CPU with avx512_bf16, float32 on a CPU with AVX-512), so are the log-probabilities, bit for bit:
+every product runs through one kernel whose row results do not depend on the batch, and decode
+attention carries a shared run's softmax state into each sequence's own blocks instead of merging two
+finished halves. Elsewhere they are equal up to the last bits only: a row computed in a batch of
+another size may round differently (oneDNN and MKL pick kernels by shape), measured at ~5e-7 in
+float32 on this test.
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ PREFIX_LEN = 56  # 3.5 blocks: the shared run ends inside a block
 SUFFIX_LENS = [3, 9, 16, 21, 30, 1]
 # a few units in the last place of the dtype a step computes in
 LOGPROB_RTOL = {"float32": 1e-5, "bfloat16": 5e-2, "float16": 1e-2}
-# where every bfloat16 product and decode attention are batch-invariant (see the module docstring)
-BF16_EXACT = enabled() and packed_gemm.default_kernel() is not None
+# the dtypes in which every product and decode attention are batch-invariant here (see the module docstring)
+EXACT_DTYPES = {str(dtype).removeprefix("torch.") for dtype in
+                (packed_gemm.default_kernel().dtypes if enabled() and packed_gemm.default_kernel() else ())}
 
 
 def prompts(seed: int, vocab: int) -> list[list[int]]:
@@ -49,12 +51,12 @@ def serve(path: str, dtype: str, caching: bool, batches: list[list[list[int]]]):
 
 def assert_same_outputs(on: list, off: list, dtype: str) -> None:
     """Equal tokens; the sampled tokens' log-probabilities equal bit for bit where every product is
-    batch-invariant, elsewhere up to the last bits (a row computed in a batch of another size may round
-    differently)."""
+    batch-invariant (weights packed), elsewhere up to the last bits (a row computed in a batch of another
+    size may round differently)."""
     for i, ((tokens_on, logprobs_on), (tokens_off, logprobs_off)) in enumerate(zip(on, off)):
         assert tokens_on == tokens_off, f"request {i}"
         for (lp_on, _), (lp_off, _) in zip(logprobs_on, logprobs_off):
-            if dtype == "bfloat16" and BF16_EXACT:
+            if dtype in EXACT_DTYPES:
                 assert lp_on == lp_off, f"request {i}"
             else:
                 assert lp_on == pytest.approx(lp_off, rel=LOGPROB_RTOL[dtype], abs=LOGPROB_RTOL[dtype])

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import prefixserve.model.decoder as decoder_mod
 import prefixserve.model.linear as linear_mod
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.llm_engine import LLMEngine
@@ -71,6 +72,9 @@ def test_an_engine_serving_200_prompt_lengths_gives_onednn_few_shapes(monkeypatc
         return onednn(x, weight, bias)
 
     monkeypatch.setattr(linear_mod, "_onednn_linear", recording)
+    # row-major weights, as where the CPU has no AVX-512 (with it a float32 model's are packed and
+    # oneDNN never runs)
+    monkeypatch.setattr(decoder_mod, "packing_applies", lambda weight: False)
     # float32: the dtype that reaches _onednn_linear (auto may pick bfloat16, which F.linear serves)
     engine = LLMEngine(EngineConfig(model="random:qwen3-tiny", dtype="float32", enable_prefix_caching=False))
     rng = random.Random(0)

@@ -17,6 +17,7 @@ from prefixserve.model.errors import (InvalidModelConfigError, MissingTensorErro
                                       UnsupportedModelError)
 from prefixserve.model.kv_layout import kv_cache_shape
 from prefixserve.model.loader import load_model
+from prefixserve.model.packed_weight import matrix
 from prefixserve.tokenizer import Tokenizer
 
 
@@ -152,9 +153,9 @@ def test_loaded_weights_equal_the_checkpoint_tensors(tiny_checkpoint) -> None:
     model = load_model(path).model
     layer, attn = model.layers[1], model.layers[1].self_attn
     q, kv = model.config.q_size, model.config.kv_size
-    assert torch.equal(attn.qkv_proj[q:q + kv], hf["model.layers.1.self_attn.k_proj.weight"])
+    assert torch.equal(matrix(attn.qkv_proj)[q:q + kv], hf["model.layers.1.self_attn.k_proj.weight"])
     assert torch.equal(attn.qkv_bias[q + kv:], hf["model.layers.1.self_attn.v_proj.bias"])
-    assert torch.equal(layer.mlp.gate_up_proj[model.config.intermediate_size:],
+    assert torch.equal(matrix(layer.mlp.gate_up_proj)[model.config.intermediate_size:],
                        hf["model.layers.1.mlp.up_proj.weight"])
     assert model.lm_head is model.embed_tokens  # tied
 
@@ -167,7 +168,7 @@ def test_bf16_checkpoint_and_bf16_model(tmp_path: Path) -> None:
 
     as_fp32 = load_model(folder)  # CPU default: float32
     assert as_fp32.model.embed_tokens.dtype == torch.float32
-    assert torch.equal(as_fp32.model.lm_head, stored["lm_head.weight"].float())
+    assert torch.equal(matrix(as_fp32.model.lm_head), stored["lm_head.weight"].float())
 
     as_bf16 = load_model(folder, dtype="bfloat16")
     assert all(p.dtype == torch.bfloat16 for p in as_bf16.model.parameters())

@@ -7,6 +7,7 @@ from prefixserve.model.attention.metadata import AttentionMetadata
 from prefixserve.model.decoder import CausalLM
 from prefixserve.model.kv_layout import kv_cache_shape
 from prefixserve.model.loader import load_model
+from prefixserve.model.packed_weight import matrix
 from prefixserve.model.random_models import RANDOM_PRESETS
 from prefixserve.tokenizer import Tokenizer
 
@@ -31,14 +32,14 @@ def test_same_seed_same_weights_and_outputs() -> None:
 
 def test_different_seed_different_weights() -> None:
     a, b = load_model("random:qwen3-tiny", seed=0), load_model("random:qwen3-tiny", seed=1)
-    assert not torch.equal(a.model.embed_tokens, b.model.embed_tokens)
+    assert not torch.equal(matrix(a.model.embed_tokens), matrix(b.model.embed_tokens))
     assert a.identity != b.identity
 
 
 def test_tiny_preset_weights_are_scaled_by_fan_in() -> None:
     model = load_model("random:qwen3-tiny").model
     assert model.lm_head is model.embed_tokens
-    down = model.layers[0].mlp.down_proj
+    down = matrix(model.layers[0].mlp.down_proj)
     assert abs(down.std().item() - down.shape[-1] ** -0.5) < 0.1 * down.shape[-1] ** -0.5
     assert torch.equal(model.layers[1].self_attn.q_norm.weight, torch.ones(16))
     assert torch.isfinite(_logits(load_model("random:qwen3-tiny"), [1, 2, 3])).all()

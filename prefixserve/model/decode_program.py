@@ -87,7 +87,7 @@ class DecodeProgram:
         self._norm_fn = pointwise.function("add_rms_norm", torch.bfloat16)
         self._qk_fn = pointwise.function("qk_norm_rope", torch.bfloat16)
         self._silu_fn = pointwise.function("silu_and_mul", torch.bfloat16)
-        self._gemm = gemm.function
+        self._gemm = gemm.functions[torch.bfloat16]
         self._attention = attention
         self._buffers: _Buffers | None = None
 

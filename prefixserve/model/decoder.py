@@ -136,7 +136,7 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def pack_weights(self) -> bool:
-        """Re-lays every projection and the LM head for the packed bfloat16 GEMM, where the CPU and dtype
+        """Re-lays every projection and the LM head for the packed GEMM, where the CPU and dtype
         allow (model/packed_weight.py); True if it packed any. A tied embedding shares the packed LM head.
         Packed weights are left as they are, so a second call changes nothing."""
         projections = [(module, name) for layer in self.layers

@@ -74,7 +74,7 @@ def choose_dtype(requested: str, device: torch.device,
 
 def measure_bf16_speedup(rounds: int = 9) -> float:
     """float32 time over bfloat16 time of a 256 x 1024 x 1024 matmul (a prefill chunk's shape), each
-    through the kernel the model's projections would use (`linear`, on a packed weight where a bfloat16
+    through the kernel the model's projections would use (`linear`, on a packed weight where the
     model packs them): the fastest of `rounds` products in each dtype, the dtypes alternating, after a warm-up that
     builds oneDNN's primitives. Timing each dtype in a burst of its own let one busy moment on a
     shared machine slow one dtype only (a 0.6x machine once read 3.7x, and two engines in one
@@ -83,7 +83,7 @@ def measure_bf16_speedup(rounds: int = 9) -> float:
     generator = torch.Generator().manual_seed(0)
     a, b = torch.randn(256, 1024, generator=generator), torch.randn(1024, 1024, generator=generator)
     b16 = b.bfloat16()
-    operands = ((a, b), (a.bfloat16(), PackedWeight(b16) if packing_applies(b16) else b16))
+    operands = tuple((x, PackedWeight(w) if packing_applies(w) else w) for x, w in ((a, b), (a.bfloat16(), b16)))
     best = [float("inf"), float("inf")]
     for x, y in operands:
         linear(x, y)

@@ -1,7 +1,8 @@
 """Dense projections routed to the fastest matmul kernel for the shape and device.
 
-A packed bfloat16 weight (`packed_weight.py`, every projection of a bfloat16 model on a CPU with
-avx512_bf16) takes the packed kernel at every row count. For row-major weights:
+A packed weight (`packed_weight.py`: every projection of a bfloat16 model on a CPU with avx512_bf16,
+of a float32 model on a CPU with AVX-512) takes the packed kernel at every row count. For row-major
+weights:
 up to `native.small_m_gemm.MAX_ROWS` rows on an AVX2 CPU, the project's own kernel
 (`native/small_m_gemm.c`) streams each weight once at nearly the memory bandwidth. Otherwise,
 on CPU, F.linear calls MKL's sgemm, which on this project's machines (AMD EPYC, 2

@@ -1,8 +1,9 @@
-"""Projection weights re-laid once, at load, for the packed bfloat16 GEMM (`native/packed_gemm.c`).
+"""Projection weights re-laid once, at load, for the packed GEMM (`native/packed_gemm.c`).
 
-On a CPU with avx512_bf16 a bfloat16 model's projections (q/k/v, o, gate/up, down, the LM head) are
-packed in place: the row-major parameter is replaced by a `PackedWeight` holding the same values in
-the kernel's panel layout, one copy, never both. Where the LM head is tied to the embedding, the
+A model's projections (q/k/v, o, gate/up, down, the LM head) are packed in place where the CPU runs
+the kernel in the model's dtype (bfloat16 with avx512_bf16, float32 with AVX-512): the row-major
+parameter is replaced by a `PackedWeight` holding the same values in the kernel's panel layout, one
+copy, never both. Where the LM head is tied to the embedding, the
 embedding lookup reads its rows out of the packed panels (`embedding`), so the tied matrix is not kept
 twice either. Whoever needs the matrix itself (exporting a checkpoint) gets `unpacked()`, a copy.
 """
@@ -17,16 +18,18 @@ from prefixserve.model.native import packed_gemm
 
 
 class PackedWeight(nn.Module):
-    """A bfloat16 weight [out_features, in_features] in panels of `packed_gemm.PANEL` output columns."""
+    """A bfloat16 or float32 weight [out_features, in_features] in panels of `packed_gemm.PANEL` output
+    columns (`packed_gemm.panel_shape`)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         if not applies(weight):
             raise ValueError(f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)} on "
-                             f"{weight.device}: 2-D bfloat16 on the CPU with an even row length")
+                             f"{weight.device}: 2-D on the CPU, in a dtype the kernel runs here "
+                             f"({', '.join(map(str, _dtypes()))}), bfloat16 rows of an even length")
         self.out_features, self.in_features = weight.shape
-        panels = zeros_on_huge_pages((-(-self.out_features // packed_gemm.PANEL), self.in_features // 2,
-                                      packed_gemm.PANEL, 2), dtype=weight.dtype, device=weight.device)
+        panels = zeros_on_huge_pages(packed_gemm.panel_shape(self.out_features, self.in_features, weight.dtype),
+                                     dtype=weight.dtype, device=weight.device)
         self.panels = nn.Parameter(packed_gemm.pack(weight.detach(), panels), requires_grad=False)
 
     @property
@@ -70,10 +73,15 @@ class PackedWeight(nn.Module):
         return flat[:self.out_features].clone()
 
 
+def _dtypes() -> tuple[torch.dtype, ...]:
+    kernel = packed_gemm.default_kernel()
+    return () if kernel is None else kernel.dtypes
+
+
 def applies(weight: torch.Tensor | PackedWeight) -> bool:
     """Whether `weight` can be packed: a row-major tensor the kernel takes, on a CPU that runs it."""
-    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-            and weight.shape[1] % 2 == 0 and packed_gemm.default_kernel() is not None)
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.device.type == "cpu"
+            and weight.dtype in _dtypes() and weight.shape[1] % packed_gemm.STEP[weight.dtype] == 0)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:

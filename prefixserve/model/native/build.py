@@ -48,7 +48,7 @@ from typing import Callable, Iterator, TypeVar
 
 import torch
 
-from prefixserve.model.native.isa import AVX512_BF16, best_isa
+from prefixserve.model.native.isa import AVX2, best_isa
 
 logger = logging.getLogger(__name__)
 K = TypeVar("K")
@@ -61,7 +61,7 @@ DEFAULT_TIMEOUT_S = 120.0
 # Why a kernel is not active (KernelStatus.reason): stable strings for stats() and /health.
 DISABLED = "disabled"                     # PREFIXSERVE_NATIVE_KERNELS=0
 NO_AVX2 = "no_avx2"                       # the CPU cannot run the kernels
-NO_AVX512_BF16 = "no_avx512_bf16"         # the CPU cannot run a kernel made of bfloat16 dot products
+NO_AVX512 = "no_avx512"                   # the CPU cannot run a kernel made of AVX-512 multiply-adds
 NO_COMPILER = "no_compiler"               # no C compiler found
 BUILD_FAILED = "build_failed"             # the compiler failed or could not be run
 BUILD_TIMEOUT = "build_timeout"           # the compiler ran past the timeout
@@ -70,7 +70,7 @@ LOAD_FAILED = "load_failed"               # the library did not load, or loading
 MISSING_SYMBOL = "missing_symbol"         # the library lacks a function the wrapper needs
 PROBE_FAILED = "probe_failed"             # the kernel disagreed with torch on its probe, or the probe raised
 NOT_LOADED = "not_loaded"                 # not asked for yet (kernels load on first use)
-REASONS = (DISABLED, NO_AVX2, NO_AVX512_BF16, NO_COMPILER, BUILD_FAILED, BUILD_TIMEOUT, NO_PRIVATE_FOLDER, LOAD_FAILED,
+REASONS = (DISABLED, NO_AVX2, NO_AVX512, NO_COMPILER, BUILD_FAILED, BUILD_TIMEOUT, NO_PRIVATE_FOLDER, LOAD_FAILED,
            MISSING_SYMBOL, PROBE_FAILED, NOT_LOADED)
 
 _WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
@@ -414,18 +414,18 @@ def _open_library(name: str, cc: str, out_dir: Path) -> tuple[ctypes.CDLL, str, 
 
 
 def try_load_kernel(name: str, cc: str | None, out_dir: Path, wrap: Callable[[ctypes.CDLL], K],
-                    probe: Callable[[K], bool], needs_avx512_bf16: bool = False) -> tuple[K | None, KernelStatus]:
+                    probe: Callable[[K], bool], needs_avx512: bool = False) -> tuple[K | None, KernelStatus]:
     """Build, load and wrap kernel `name`, and check it against torch with `probe`: (kernel or None, status).
-    needs_avx512_bf16: the kernel is nothing but bfloat16 dot products (not even its probe runs without).
+    needs_avx512: the kernel is nothing but AVX-512 multiply-adds (not even its probe runs without).
 
     Never raises for a kernel's sake; every inactive outcome but an unsupported CPU is logged.
     """
     if not cpu_supported():
         return None, KernelStatus(name, False, NO_AVX2,
                                   f"CPU capability {torch.backends.cpu.get_cpu_capability()}, not AVX2")
-    if needs_avx512_bf16 and best_isa() != AVX512_BF16:
-        return None, KernelStatus(name, False, NO_AVX512_BF16,
-                                  f"CPU capability {torch.backends.cpu.get_cpu_capability()} without avx512_bf16")
+    if needs_avx512 and best_isa() == AVX2:
+        return None, KernelStatus(name, False, NO_AVX512,
+                                  f"CPU capability {torch.backends.cpu.get_cpu_capability()}, not AVX-512")
     if cc is None:
         kernel, status = None, KernelStatus(name, False, NO_COMPILER, "no C compiler found ($CC, cc or gcc)")
     else:
@@ -463,21 +463,21 @@ def _load_checked(name: str, cc: str, out_dir: Path, wrap: Callable[[ctypes.CDLL
 
 
 def load_kernel(name: str, cc: str | None, out_dir: Path, wrap: Callable[[ctypes.CDLL], K],
-                probe: Callable[[K], bool], needs_avx512_bf16: bool = False) -> K | None:
+                probe: Callable[[K], bool], needs_avx512: bool = False) -> K | None:
     """Build, load and wrap kernel `name`, and check it against torch with `probe`; None where any step fails."""
-    return try_load_kernel(name, cc, out_dir, wrap, probe, needs_avx512_bf16)[0]
+    return try_load_kernel(name, cc, out_dir, wrap, probe, needs_avx512)[0]
 
 
 _statuses: dict[str, KernelStatus] = {}
 
 
 def load_default(name: str, wrap: Callable[[ctypes.CDLL], K], probe: Callable[[K], bool],
-                 needs_avx512_bf16: bool = False) -> K | None:
+                 needs_avx512: bool = False) -> K | None:
     """The process's kernel `name` from the user's cache folder, its status recorded for `kernel_status`."""
     if turned_off():
         kernel, status = None, KernelStatus(name, False, DISABLED, "turned off by PREFIXSERVE_NATIVE_KERNELS=0")
     else:
-        kernel, status = try_load_kernel(name, compiler(), cache_dir(), wrap, probe, needs_avx512_bf16)
+        kernel, status = try_load_kernel(name, compiler(), cache_dir(), wrap, probe, needs_avx512)
     _statuses[name] = status
     return kernel
 

@@ -1,8 +1,9 @@
-"""The bfloat16 GEMM over packed weights (`packed_gemm.c`) behind `model/packed_weight.py`.
+"""The GEMM over packed weights (`packed_gemm.c`) behind `model/packed_weight.py`.
 
-Used for every bfloat16 projection on a CPU with avx512_bf16, at every row count: one kernel whose row
-results do not depend on the batch, so prefix caching stays exact in bfloat16, and faster than both
-the row-major few-row kernel and oneDNN from decode to prefill sizes (see the C file).
+Used for every projection of a bfloat16 model on a CPU with avx512_bf16 and of a float32 model on a CPU
+with AVX-512, at every row count: one kernel whose row results do not depend on the batch, so prefix
+caching stays exact, and faster than both the row-major few-row kernel and oneDNN from decode to
+prefill sizes (see the C file).
 """
 from __future__ import annotations
 
@@ -13,36 +14,58 @@ from pathlib import Path
 import torch
 
 from prefixserve.model.native.build import load_default, load_kernel
+from prefixserve.model.native.isa import AVX512, AVX512_BF16, best_isa
 
 PANEL = 64      # output columns per panel (the C file's PANEL)
+# elements of k per step of the kernel (the C file's STEP): a bfloat16 pair for vdpbf16ps, one float32 for FMA
+STEP = {torch.bfloat16: 2, torch.float32: 1}
+_FUNCTIONS = {torch.bfloat16: "packed_gemm_bf16", torch.float32: "packed_gemm_f32"}
+
+
+def panel_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """The packed layout of a [n, k] weight: [ceil(n / PANEL), k / STEP, PANEL, STEP]."""
+    step = STEP[dtype]
+    return -(-n // PANEL), k // step, PANEL, step
 
 
 def pack(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Writes W[n, k] (k even) into out [ceil(n / PANEL), k / 2, PANEL, 2] in the kernel's layout; the
-    last panel's missing columns are left as `out` has them (never read into a result)."""
+    """Writes W[n, k] (k a whole number of steps) into out (`panel_shape`) in the kernel's layout; the last
+    panel's missing columns are left as `out` has them (never read into a result)."""
     n, k = weight.shape
+    step = out.shape[-1]
     full = n // PANEL
     if full:
-        out[:full].copy_(weight[:full * PANEL].view(full, PANEL, k // 2, 2).permute(0, 2, 1, 3))
+        out[:full].copy_(weight[:full * PANEL].view(full, PANEL, k // step, step).permute(0, 2, 1, 3))
     if n % PANEL:
-        out[full, :, :n % PANEL].copy_(weight[full * PANEL:].view(n % PANEL, k // 2, 2).permute(1, 0, 2))
+        out[full, :, :n % PANEL].copy_(weight[full * PANEL:].view(n % PANEL, k // step, step).permute(1, 0, 2))
     return out
 
 
-class PackedGemm:
-    """The loaded kernel: `__call__(x, panels, n, bias)` for x [m, k] contiguous bfloat16 and `pack`'s panels."""
+def runnable_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes whose body this CPU runs: float32 with AVX-512, bfloat16 too with avx512_bf16."""
+    isa = best_isa()
+    return (torch.float32, torch.bfloat16) if isa == AVX512_BF16 else (torch.float32,) if isa == AVX512 else ()
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        # (x, panels, bias or 0, y, m, n, k, threads); public, unchecked, for callers that check their operands
-        # once and call it many times (model/decode_program.py)
-        self.function = library.packed_gemm_bf16
-        self.function.restype = None
-        self.function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+
+class PackedGemm:
+    """The loaded kernel: `__call__(x, panels, n, bias)` for x [m, k] contiguous and `pack`'s panels, both in
+    one of `dtypes`."""
+
+    def __init__(self, library: ctypes.CDLL, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+        self.dtypes = runnable_dtypes() if dtypes is None else dtypes
+        # per dtype (x, panels, bias or 0, y, m, n, k, threads); public, unchecked, for callers that check their
+        # operands once and call it many times (model/decode_program.py)
+        self.functions = {}
+        for dtype in self.dtypes:
+            fn = getattr(library, _FUNCTIONS[dtype])
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+            self.functions[dtype] = fn
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
         m, k = x.shape
-        if (panels.dtype != torch.bfloat16 or not panels.is_contiguous()
-                or panels.shape != (-(-n // PANEL), k // 2, PANEL, 2)):
+        if (panels.dtype not in self.functions or not panels.is_contiguous()
+                or panels.shape != panel_shape(n, k, panels.dtype)):
             raise ValueError(f"x {tuple(x.shape)} does not fit panels {tuple(panels.shape)} {panels.dtype} "
                              f"of {n} columns")
         if bias is not None and bias.shape != (n,):
@@ -53,32 +76,36 @@ class PackedGemm:
         """`__call__` for panels already checked against n and k (a PackedWeight's own, checked when it
         packed them: per projection the checks cost as much as the call) and a float32 bias or None."""
         m, k = x.shape
-        if x.dtype != torch.bfloat16 or not x.is_contiguous() or k % 2 or k != 2 * panels.shape[1]:
+        step = panels.shape[-1]
+        if x.dtype != panels.dtype or not x.is_contiguous() or k % step or k != step * panels.shape[1]:
             raise ValueError(f"x {tuple(x.shape)} {x.dtype} (contiguous: {x.is_contiguous()}) does not fit "
-                             f"panels {tuple(panels.shape)}")
-        y = torch.empty(m, n, dtype=torch.bfloat16)
+                             f"panels {tuple(panels.shape)} {panels.dtype}")
+        y = torch.empty(m, n, dtype=x.dtype)
         if m and n:
-            self.function(x.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                     m, n, k, torch.get_num_threads())
+            self.functions[x.dtype](x.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                    y.data_ptr(), m, n, k, torch.get_num_threads())
         return y
 
 
 def _agrees_with_torch(kernel: PackedGemm) -> bool:
     gen = torch.Generator().manual_seed(0)
-    x, w, b = (torch.randn(7, 24, generator=gen).bfloat16(), torch.randn(70, 24, generator=gen).bfloat16(),
-               torch.randn(70, generator=gen).bfloat16())
-    panels = pack(w, torch.zeros(2, 12, PANEL, 2, dtype=torch.bfloat16))
-    exact = torch.addmm(b.double(), x.double(), w.double().T)
-    return torch.allclose(kernel(x, panels, 70, b).double(), exact, rtol=1e-2, atol=1e-2)
+    x, w, b = torch.randn(7, 24, generator=gen), torch.randn(70, 24, generator=gen), torch.randn(70, generator=gen)
+    for dtype in kernel.dtypes:
+        xd, wd, bd = x.to(dtype), w.to(dtype), b.to(dtype)
+        panels = pack(wd, torch.zeros(panel_shape(70, 24, dtype), dtype=dtype))
+        exact = torch.addmm(bd.double(), xd.double(), wd.double().T)
+        if not torch.allclose(kernel(xd, panels, 70, bd).double(), exact, rtol=1e-2, atol=1e-2):
+            return False
+    return True
 
 
 def load(cc: str | None, out_dir: Path) -> PackedGemm | None:
     """Build and load the kernel, checked against torch on a probe; None where it cannot be used."""
-    return load_kernel("packed_gemm", cc, out_dir, PackedGemm, _agrees_with_torch, needs_avx512_bf16=True)
+    return load_kernel("packed_gemm", cc, out_dir, PackedGemm, _agrees_with_torch, needs_avx512=True)
 
 
 @functools.cache
 def default_kernel() -> PackedGemm | None:
-    """The process's kernel, built on first use; None where the CPU lacks avx512_bf16, or it is unavailable
-    or turned off."""
-    return load_default("packed_gemm", PackedGemm, _agrees_with_torch, needs_avx512_bf16=True)
+    """The process's kernel, built on first use; None where the CPU lacks AVX-512, or it is unavailable or
+    turned off."""
+    return load_default("packed_gemm", PackedGemm, _agrees_with_torch, needs_avx512=True)

@@ -1,6 +1,6 @@
 /* y[m, n] = x[m, k] @ w[n, k]^T (+ bias[n]) for the few rows of a decode step, over row-major weights:
- * float32, or bfloat16 weights where the CPU lacks avx512_bf16 (with it, bfloat16 projections are packed
- * for packed_gemm.c).
+ * float32, or bfloat16 weights widened (a model's projections are packed for packed_gemm.c instead where
+ * the CPU runs that kernel in their dtype: float32 with AVX-512, bfloat16 with avx512_bf16).
  *
  * Library GEMMs (MKL, oneDNN) pack and block for large m; with 1-64 rows they stream the weight at a
  * third to a half of the memory bandwidth on AMD EPYC. Here each weight row is read from memory once

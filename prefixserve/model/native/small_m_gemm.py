@@ -4,8 +4,9 @@ Decode steps multiply a few rows (1-64) by each weight; on this project's CPUs t
 library GEMMs reach a third to a half of the memory bandwidth there, and this kernel,
 which reads every weight row once, reaches nearly all of it, and with many rows keeps
 the multiply units busy (see docs/architecture.md). The C file has three bodies; the
-widest one the CPU runs is used (`best_isa`). Row-major weights only: where the CPU has
-avx512_bf16, bfloat16 projections are packed for `packed_gemm` instead.
+widest one the CPU runs is used (`best_isa`). Row-major weights only: a model's projections are
+packed for `packed_gemm` instead where it runs their dtype (float32 with AVX-512, bfloat16 with
+avx512_bf16), so here the AVX-512 float32 body serves row-major weights the model did not pack.
 """
 from __future__ import annotations
 
