@@ -74,7 +74,9 @@ minutes=$(( ($(date +%s) - start + 59) / 60 ))
 - **Repeats.** long-doc-qa and no-sharing run three back-to-back pairs of prefixserve with caching on and off;
   the tables show each engine's fastest run (long-doc-qa's fraction of its ideal and TPOT are set against the
   best limit readings of the run, so its fastest run is what meets them), and no-sharing's cost of caching
-  is the median of the three paired ratios. Every other run is one run.
+  is the median of the three paired ratios. The warm-TTFT row alternates its two kinds of request (the cached
+  prefix with a new suffix, the suffix alone) three times and sets the fastest of each against the other.
+  Every other run is one run.
 - The machine is a shared 2-vCPU VM: expect run-to-run drift of 10-20 %; compare ratios within one run.
 METHOD
 } > docs/benchmarks.md
