@@ -172,11 +172,12 @@ static inline void store_f32(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 
 /* qkv: [rows, row_stride], q heads at column 0, k heads right after them;
  * q_out: [rows, q_heads, d], k_out: [rows, k_heads, d]; cos, sin: [rows, d / 2];
- * q_weight, k_weight: [d] or both NULL (no per-head norm). d % 16 == 0. */
-#define QK_NORM_ROPE(S, T, NORM_ROTATE)                                                                    \
-void qk_norm_rope##S(const T* qkv, long row_stride, long q_heads, long k_heads, long d,                    \
-                     const T* q_weight, const T* k_weight, float eps, const T* cos, const T* sin,          \
-                     T* q_out, T* k_out, long rows, int threads) {                                         \
+ * q_weight, k_weight: [d] or both NULL (no per-head norm). d % 16 == 0.
+ * The row driver of every body: qk_norm_rope##S over one head's NORM_ROTATE, with TARGET's attribute. */
+#define QK_NORM_ROPE(S, TARGET, T, NORM_ROTATE)                                                            \
+TARGET void qk_norm_rope##S(const T* qkv, long row_stride, long q_heads, long k_heads, long d,             \
+                            const T* q_weight, const T* k_weight, float eps, const T* cos, const T* sin,   \
+                            T* q_out, T* k_out, long rows, int threads) {                                  \
     const long heads = q_heads + k_heads;                                                                  \
     _Pragma("omp parallel for num_threads(threads) schedule(static) if (rows * heads * d >= PARALLEL_MIN_FLOATS)") \
     for (long t = 0; t < rows; t++) {                                                                      \
@@ -207,8 +208,8 @@ void silu_and_mul##S(const T* gate_up, T* out, long rows, long n, int threads) {
     }                                                                                                      \
 }
 
-QK_NORM_ROPE(, float, norm_rotate)
-QK_NORM_ROPE(_bf16, uint16_t, norm_rotate_bf16)
+QK_NORM_ROPE(, , float, norm_rotate)
+QK_NORM_ROPE(_bf16, , uint16_t, norm_rotate_bf16)
 SILU_AND_MUL(, float, load_f32, store_f32)
 SILU_AND_MUL(_bf16, uint16_t, load_bf16, store_bf16)
 
@@ -254,31 +255,26 @@ AVX512_TARGET static ALWAYS_INLINE float inv_rms##S##_512(const T* x, long n, fl
 INV_RMS_512(_f32, float)
 INV_RMS_512(_bf16, uint16_t)
 
-AVX512_TARGET void add_rms_norm_512(float* residual, const float* delta, const float* weight, float eps, float* out,
-                                    long rows, long n, int threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= PARALLEL_MIN_FLOATS)
-    for (long t = 0; t < rows; t++) {
-        float* x = residual + t * n;
-        if (delta != 0)
-            EACH16(i, n, k, store16_f32(x + i, _mm512_add_ps(load16_f32(x + i, k), load16_f32(delta + t * n + i, k)), k););
-        __m512 r = _mm512_set1_ps(inv_rms_f32_512(x, n, eps));
-        EACH16(i, n, k, store16_f32(out + t * n + i, _mm512_mul_ps(_mm512_mul_ps(load16_f32(x + i, k), r),
-                                                                   load16_f32(weight + i, k)), k););
-    }
+/* add_rms_norm and add_rms_norm_bf16 in 16 lanes: ROUND where the bfloat16 one rounds (the normalised value,
+ * before the weight, as HF's RMSNorm does) */
+#define ADD_RMS_NORM_512(N, S, T, ROUND)                                                                   \
+AVX512_TARGET void add_rms_norm##N##_512(T* residual, const T* delta, const T* weight, float eps, T* out,  \
+                                          long rows, long n, int threads) {                                 \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (rows * n >= PARALLEL_MIN_FLOATS)") \
+    for (long t = 0; t < rows; t++) {                                                                      \
+        T* x = residual + t * n;                                                                           \
+        if (delta != 0)                                                                                    \
+            EACH16(i, n, k, store16##S(x + i, _mm512_add_ps(load16##S(x + i, k), load16##S(delta + t * n + i, k)), k);); \
+        __m512 r = _mm512_set1_ps(inv_rms##S##_512(x, n, eps));                                           \
+        EACH16(i, n, k, store16##S(out + t * n + i, _mm512_mul_ps(ROUND(_mm512_mul_ps(load16##S(x + i, k), r)), \
+                                                                  load16##S(weight + i, k)), k););          \
+    }                                                                                                      \
 }
 
-AVX512_TARGET void add_rms_norm_bf16_512(uint16_t* residual, const uint16_t* delta, const uint16_t* weight, float eps,
-                                         uint16_t* out, long rows, long n, int threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= PARALLEL_MIN_FLOATS)
-    for (long t = 0; t < rows; t++) {
-        uint16_t* x = residual + t * n;
-        if (delta != 0)
-            EACH16(i, n, k, store16_bf16(x + i, _mm512_add_ps(load16_bf16(x + i, k), load16_bf16(delta + t * n + i, k)), k););
-        __m512 r = _mm512_set1_ps(inv_rms_bf16_512(x, n, eps));
-        EACH16(i, n, k, store16_bf16(out + t * n + i, _mm512_mul_ps(round16_bf16(_mm512_mul_ps(load16_bf16(x + i, k), r)),
-                                                                    load16_bf16(weight + i, k)), k););
-    }
-}
+/* float32 stores its products unrounded */
+#define NO_ROUND(v) (v)
+ADD_RMS_NORM_512(, _f32, float, NO_ROUND)
+ADD_RMS_NORM_512(_bf16, _bf16, uint16_t, round16_bf16)
 
 /* norm_rotate and norm_rotate_bf16 in 16 lanes: ROUND where the bfloat16 one rounds (d % 16 == 0) */
 #define NORM_ROTATE_512(S, T, ROUND)                                                                       \
@@ -301,7 +297,6 @@ AVX512_TARGET static ALWAYS_INLINE void norm_rotate##S##_512(const T* src, T* ds
 }
 
 /* without weights r is 1, and x * 1 is x: the bfloat16 body's skipped multiply */
-#define NO_ROUND(v) (v)
 NORM_ROTATE_512(_f32, float, NO_ROUND)
 NORM_ROTATE_512(_bf16, uint16_t, round16_bf16)
 
@@ -320,25 +315,7 @@ AVX512_TARGET void silu_and_mul##N##_512(const T* gate_up, T* out, long rows, lo
     }                                                                                                      \
 }
 
-/* qk_norm_rope's row driver over a 16-lane head body (N: the symbol's dtype suffix, S: the body's) */
-#define QK_NORM_ROPE_512(N, S, T)                                                                          \
-AVX512_TARGET void qk_norm_rope##N##_512(const T* qkv, long row_stride, long q_heads, long k_heads, long d, \
-                                          const T* q_weight, const T* k_weight, float eps, const T* cos,   \
-                                          const T* sin, T* q_out, T* k_out, long rows, int threads) {      \
-    const long heads = q_heads + k_heads;                                                                  \
-    _Pragma("omp parallel for num_threads(threads) schedule(static) if (rows * heads * d >= PARALLEL_MIN_FLOATS)") \
-    for (long t = 0; t < rows; t++) {                                                                      \
-        const T* src = qkv + t * row_stride;                                                               \
-        const T* c = cos + t * (d / 2);                                                                    \
-        const T* s = sin + t * (d / 2);                                                                    \
-        for (long h = 0; h < q_heads; h++)                                                                 \
-            norm_rotate##S##_512(src + h * d, q_out + (t * q_heads + h) * d, q_weight, eps, c, s, d);      \
-        for (long h = 0; h < k_heads; h++)                                                                 \
-            norm_rotate##S##_512(src + (q_heads + h) * d, k_out + (t * k_heads + h) * d, k_weight, eps, c, s, d); \
-    }                                                                                                      \
-}
-
 SILU_AND_MUL_512(, _f32, float)
 SILU_AND_MUL_512(_bf16, _bf16, uint16_t)
-QK_NORM_ROPE_512(, _f32, float)
-QK_NORM_ROPE_512(_bf16, _bf16, uint16_t)
+QK_NORM_ROPE(_512, AVX512_TARGET, float, norm_rotate_f32_512)
+QK_NORM_ROPE(_bf16_512, AVX512_TARGET, uint16_t, norm_rotate_bf16_512)
