@@ -60,9 +60,13 @@ minutes=$(( ($(date +%s) - start + 59) / 60 ))
   1024, 2048) and read bandwidth (sum over 1 GiB). Ideal prefill tokens/s = peak / FLOPs per token (2 x body
   parameters + attention + one LM-head row per prompt); ideal decode steps/s = bandwidth / bytes read per step
   (every weight once + the KV of every sequence). A workload's ideal time computes only tokens no earlier
-  request computed, at the matmul peak, and decodes each round as one batch at the limit. The single-request
-  prefill and decode figures ("prefixserve against the limits") are set against the peak and the bandwidth
-  measured again between their own rounds, best of each: on this machine both drift 10-30 % within minutes.
+  request computed, at the matmul peak, and decodes each round as one batch at the limit. On this machine both
+  limits drift within minutes (bandwidth 39-77 GB/s in one run), so a ratio is set against limits read next to
+  what it times: the single-request prefill and decode figures ("prefixserve against the limits") against the
+  best reading before each of their rounds and after the last; long-doc-qa's fraction of its ideal time and
+  its TPOT against the better of a reading just before and one just after prefixserve's kept run. The same two
+  long-doc-qa ratios at the best readings of the whole run are reported beside them, judged nothing; the
+  workload tables' "% of ideal" uses those best readings for every engine.
 - **Peak RSS** in the workload tables is the bench process's resident high-water mark during the run (reset
   through `/proc/self/clear_refs`); it includes the weights and, for prefixserve, its preallocated KV pool. For
   prefixserve's runs on the default pool that process holds both the cache-on and the cache-off engine (each its
@@ -72,8 +76,7 @@ minutes=$(( ($(date +%s) - start + 59) / 60 ))
   loading included; the render process it spawns is not counted) and set against weights + KV pool + 1 GiB, both
   from its `/metrics`.
 - **Repeats.** long-doc-qa and no-sharing run three back-to-back pairs of prefixserve with caching on and off;
-  the tables show each engine's fastest run (long-doc-qa's fraction of its ideal and TPOT are set against the
-  best limit readings of the run, so its fastest run is what meets them), and no-sharing's cost of caching
+  the tables show each engine's fastest run (and its limits read around it), and no-sharing's cost of caching
   is the median of the three paired ratios. The warm-TTFT row alternates its two kinds of request (the cached
   prefix with a new suffix, the suffix alone) three times and sets the fastest of each against the other.
   Every other run is one run.

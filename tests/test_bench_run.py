@@ -72,6 +72,19 @@ def test_the_report_names_the_cpu_generation_and_its_bfloat16_features(results) 
     assert f"Machine: {results.machine['cpu']} ({results.machine['cpu_features']}), " in to_markdown(results)
 
 
+def test_long_doc_qa_run_is_judged_at_limits_read_around_it(results) -> None:
+    """The kept long-doc-qa run carries the readings taken around it, the report shows them, and its TPOT
+    target is judged against them, with the ratio at the run's best readings reported beside it."""
+    run = next(r for r in results.runs if (r.engine, r.workload) == ("prefixserve", "long-doc-qa"))
+    around = run.extra["limits_around"]
+    assert around["matmul_flops"] > 0 and around["bandwidth_bytes"] > 0
+    text = to_markdown(results)
+    assert f"{around['bandwidth_bytes'] / 1e9:.1f} GB/s |" in text
+    names = [t["name"] for t in to_json(results)["targets"]]
+    assert "long-doc-qa: batched-decode TPOT vs its bound" in names
+    assert any(n.startswith("long-doc-qa: batched-decode TPOT vs its bound, at") for n in names)
+
+
 def test_report_renders_every_run(results, tmp_path: Path) -> None:
     text = to_markdown(results)
     for engine in ("prefixserve", "prefixserve-warm", "prefixserve-nocache", "hf-padded", "hf-reuse"):

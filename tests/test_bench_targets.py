@@ -1,7 +1,7 @@
 """How the benchmark judges its targets from the runs it made."""
 from __future__ import annotations
 
-from prefixserve.benchmarks.engines import RunResult
+from prefixserve.benchmarks.engines import RequestRecord, RunResult
 from prefixserve.benchmarks.targets import evaluate_targets
 
 ON_OFF = "no-sharing: cost of prefix caching (on / off)"
@@ -60,7 +60,8 @@ def test_no_sharing_within_1_2x_of_llama_cpp_in_bfloat16() -> None:
     assert _named(f32, "no-sharing: ratio to llama.cpp").met is None
 
 
-def _results(start: tuple[float, float], between_rounds: tuple[float, float] | None):
+def _results(start: tuple[float, float], between_rounds: tuple[float, float] | None,
+             around: tuple[float, float] | None = None):
     from prefixserve.benchmarks.limits import MachineLimits, ModelCost
     from prefixserve.benchmarks.runner import BenchConfig, BenchResults
     from prefixserve.benchmarks.workloads import build_workload
@@ -73,20 +74,68 @@ def _results(start: tuple[float, float], between_rounds: tuple[float, float] | N
         res.roofline = {"prefill": {"matmul_flops": between_rounds[0], "fraction": 0.5},
                         "decode_b1": {"bandwidth_bytes": between_rounds[1], "fraction": 0.5},
                         "warm_ttft": {"ratio": 1.0}}
+    if around:
+        # 8 tokens each at TPOT 10, 20, ..., 50 ms: p50 30 ms
+        records = [RequestRecord(f"r{i}", 100, 0, list(range(8)), 0.1, 0.1 + 0.07 * (i + 1)) for i in range(5)]
+        res.runs.append(RunResult("prefixserve", "long-doc-qa", records, 2.0, 100, 0, extra={
+            "limits_around": {"matmul_flops": around[0], "bandwidth_bytes": around[1]}}))
     return res
 
 
-def test_bounds_are_set_against_the_best_limits_read_in_the_run() -> None:
-    """A low reading at the start must not loosen the TPOT bound or the ideal times: both follow the
-    highest matmul rate and bandwidth measured anywhere in the run (here each from a different reading)."""
-    from prefixserve.benchmarks.limits import MachineLimits, batched_decode_bound_s, ideal_workload_seconds
+def _bound_at(res, limits) -> float:
+    from prefixserve.benchmarks.limits import batched_decode_bound_s
+    rnd = res.workloads["long-doc-qa"].rounds[0]
+    contexts = [len(r.prompt_token_ids) + max(q.max_tokens for q in rnd) // 2 for r in rnd]
+    return batched_decode_bound_s(res.cost, limits, contexts, min(r.shared_prefix_len for r in rnd))
+
+
+def test_best_limits_are_the_highest_readings_anywhere_in_the_run() -> None:
+    """The workloads' ideal times follow the highest matmul rate and bandwidth measured anywhere in the run
+    (here each from a different reading); a low reading at the start does not loosen them."""
+    from prefixserve.benchmarks.limits import MachineLimits, ideal_workload_seconds
     from prefixserve.benchmarks.report import decode_bounds, to_json
     best = MachineLimits(4e9, {1024: 4e9}, 3e9, "float32", 2)
     for start, rounds in [((1e9, 3e9), (4e9, 1e9)), ((4e9, 1e9), (1e9, 3e9)), ((4e9, 3e9), None)]:
         res = _results(start, rounds)
         w = res.workloads["long-doc-qa"]
-        rnd = w.rounds[0]
-        contexts = [len(r.prompt_token_ids) + max(q.max_tokens for q in rnd) // 2 for r in rnd]
-        shared = min(r.shared_prefix_len for r in rnd)
-        assert decode_bounds(res)["long-doc-qa"] == batched_decode_bound_s(res.cost, best, contexts, shared)
+        assert (res.best_limits().matmul_flops, res.best_limits().bandwidth_bytes) == (4e9, 3e9)
+        assert decode_bounds(res, res.limits_around)["long-doc-qa"] == _bound_at(res, best)  # nothing read around
         assert to_json(res)["workloads"]["long-doc-qa"]["ideal_seconds"] == ideal_workload_seconds(w, res.cost, best)
+
+
+def test_long_doc_qa_targets_are_judged_at_the_limits_read_around_its_run() -> None:
+    """TPOT and the fraction of the ideal time are judged against the readings taken around the run they
+    time; the same ratios at the run's best readings are reported next to them, judged nothing."""
+    from prefixserve.benchmarks.limits import MachineLimits, ideal_workload_seconds
+    from prefixserve.benchmarks.report import targets_of
+    res = _results((4e9, 3e9), (4e9, 3e9), around=(2e9, 1.5e9))
+    around, best = MachineLimits(2e9, {1024: 4e9}, 1.5e9, "float32", 2), res.best_limits()
+    assert res.limits_around("long-doc-qa") == around and best.bandwidth_bytes == 3e9
+    targets = {t.name: t for t in targets_of(res)}
+    tpot = targets["long-doc-qa: batched-decode TPOT vs its bound"]
+    assert abs(tpot.measured - 0.03 / _bound_at(res, around)) < 1e-9 and tpot.met is not None
+    strict = next(t for n, t in targets.items() if n.startswith("long-doc-qa: batched-decode TPOT vs its bound, at"))
+    assert abs(strict.measured - 0.03 / _bound_at(res, best)) < 1e-9 and strict.met is None
+    assert strict.measured > tpot.measured   # the better limits make the stricter ratio
+    w = res.workloads["long-doc-qa"]
+    fraction = targets["long-doc-qa: fraction of its ideal time (reported, no target)"]
+    assert abs(fraction.measured - ideal_workload_seconds(w, res.cost, around)["total_s"] / 2.0) < 1e-12
+
+
+def test_limits_around_a_run_are_the_better_of_a_reading_before_and_after_it() -> None:
+    from prefixserve.benchmarks.limits import MachineLimits
+    from prefixserve.benchmarks.runner import _read_limits_around
+    order = []
+    readings = iter([MachineLimits(5e9, {}, 1e9, "float32", 2), MachineLimits(3e9, {}, 2e9, "float32", 2)])
+
+    def read():
+        order.append("read")
+        return next(readings)
+
+    def run():
+        order.append("run")
+        return RunResult("prefixserve", "long-doc-qa", [], 1.0, 1, 0)
+
+    result = _read_limits_around(run, read)
+    assert order == ["read", "run", "read"]
+    assert result.extra["limits_around"] == {"matmul_flops": 5e9, "bandwidth_bytes": 2e9}

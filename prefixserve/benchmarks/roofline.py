@@ -2,10 +2,11 @@
 
 prefill: one 512-token prompt, nothing cached, timed to its first token.
 decode: one sequence, time per output token after the first.
-The matmul peak and the memory bandwidth these are set against are measured
-between their rounds as well, and the best reading is taken, the run's start
-included, because on a shared machine the limits of some minutes earlier say
-little (peaks of 108-148 GFLOP/s and 16-24 GB/s seen; 81 and 155 in one run).
+The matmul peak and the memory bandwidth these are set against are read before
+each of their rounds and after the last, and the best of those readings is
+taken: on a shared machine the limits of some minutes earlier say little (peaks
+of 108-148 GFLOP/s and 16-24 GB/s seen; 81 and 155 in one run; 39-77 GB/s in one
+run on a 2-core Zen 5 EPYC).
 warm TTFT: a long prefix already cached plus a new 32-token suffix, against
 the first-token time of a prompt made of that suffix alone (what computing only
 the uncached tokens costs).
@@ -55,8 +56,9 @@ def measure_roofline(engine: LLMEngine, cost: ModelCost, limits: MachineLimits, 
     for _ in range(repeat):
         peaks.append(max(measure_matmul(dtype, tuple(limits.matmul_by_size), repeat=2).values()))
         prefill_times.append(time_request(engine, _tokens(rng, prefill_len), 1)[0])
+    peaks.append(max(measure_matmul(dtype, tuple(limits.matmul_by_size), repeat=2).values()))
     prefill_rate = prefill_len / min(prefill_times)
-    prefill_limits = replace(limits, matmul_flops=max(peaks + [limits.matmul_flops]))
+    prefill_limits = replace(limits, matmul_flops=max(peaks))
     prefill_ideal = ideal_prefill_tokens_per_s(cost, prefill_limits, prefill_len)
 
     per_token, bandwidths = [], []
@@ -65,9 +67,10 @@ def measure_roofline(engine: LLMEngine, cost: ModelCost, limits: MachineLimits, 
         bandwidths.append(measure_bandwidth(buf, repeat=2))
         ttft, e2e, n = time_request(engine, _tokens(rng, 64), decode_tokens)
         per_token.append((e2e - ttft) / (n - 1))
+    bandwidths.append(measure_bandwidth(buf, repeat=2))
     del buf
     decode_rate = 1.0 / min(per_token)
-    decode_limits = replace(limits, bandwidth_bytes=max(bandwidths + [limits.bandwidth_bytes]))
+    decode_limits = replace(limits, bandwidth_bytes=max(bandwidths))
     decode_ideal = ideal_decode_steps_per_s(cost, decode_limits, [64 + decode_tokens // 2])
 
     doc = _tokens(rng, doc_len)
