@@ -105,6 +105,51 @@ def test_qk_norm_rope_reads_heads_out_of_qkv(kernel: FusedPointwise, head_dim: i
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_qk_norm_rope_writes_k_and_v_into_their_pool_slots(kernel: FusedPointwise, dtype: torch.dtype,
+                                                         tokens: int) -> None:
+    """With pools, k goes to row slots[t] of the K pool and v (qkv's heads after k's, as they are) to the same
+    row of the V pool: bit for bit what the returned k and two index_copy_ calls write, nothing else touched."""
+    q_heads, k_heads, head_dim, slots_total = 4, 2, 64, 700
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (q_heads + 2 * k_heads) * head_dim + 8, generator=gen)[:, :-8].to(dtype)
+    angles = torch.randint(0, 4000, (tokens,), generator=gen).float()[:, None] * torch.rand(head_dim // 2,
+                                                                                           generator=gen)
+    cos, sin = angles.cos()[:, None, :].to(dtype), angles.sin()[:, None, :].to(dtype)
+    qw, kw = torch.randn(head_dim, generator=gen).to(dtype), torch.randn(head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(slots_total, generator=gen)[:tokens]
+    k_pool, v_pool = (torch.randn(slots_total, k_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    want_k_pool, want_v_pool = k_pool.clone(), v_pool.clone()
+    with with_threads(2):
+        want_q, want_k = kernel.qk_norm_rope(qkv, q_heads, k_heads, head_dim, qw, kw, 1e-6, cos, sin)
+        q, none = kernel.qk_norm_rope(qkv, q_heads, k_heads, head_dim, qw, kw, 1e-6, cos, sin,
+                                      pools=(k_pool, v_pool, slots))
+    want_k_pool.index_copy_(0, slots, want_k)
+    want_v_pool.index_copy_(0, slots, qkv[:, (q_heads + k_heads) * head_dim:].reshape(tokens, k_heads, head_dim))
+    assert none is None and torch.equal(q, want_q)
+    assert torch.equal(k_pool, want_k_pool) and torch.equal(v_pool, want_v_pool)
+
+
+@needs_kernel
+def test_qk_norm_rope_refuses_slots_outside_the_pools(library: FusedPointwise) -> None:
+    qkv, cos, sin = torch.randn(2, 4 * 16), torch.randn(2, 8), torch.randn(2, 8)
+    pool = torch.zeros(5, 1, 16)
+    before = pool.clone()
+    for slots in (torch.tensor([0, 5]), torch.tensor([-1, 2]), torch.tensor([0, 1], dtype=torch.int32),
+                  torch.tensor([0])):
+        with pytest.raises(ValueError, match="qk_norm_rope"):
+            library.qk_norm_rope(qkv, 2, 1, 16, None, None, 0.0, cos, sin, pools=(pool, pool.clone(), slots))
+    with pytest.raises(ValueError, match="qk_norm_rope"):     # a pool row of another shape
+        library.qk_norm_rope(qkv, 2, 1, 16, None, None, 0.0, cos, sin,
+                             pools=(torch.zeros(5, 2, 16), torch.zeros(5, 2, 16), torch.tensor([0, 1])))
+    with pytest.raises(ValueError, match="qk_norm_rope"):     # qkv without the v heads
+        library.qk_norm_rope(qkv[:, :3 * 16], 2, 1, 16, None, None, 0.0, cos, sin,
+                             pools=(pool, pool.clone(), torch.tensor([0, 1])))
+    assert torch.equal(pool, before)
+
+
+@needs_kernel
 def test_rope_agrees_with_float64_angles_at_small_positions(kernel: FusedPointwise) -> None:
     """Independent of how cos/sin are computed: positions small enough that float32 angles are exact enough."""
     gen = torch.Generator().manual_seed(5)

@@ -25,6 +25,7 @@ import torch
 
 from prefixserve.model.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata
 from prefixserve.model.native import fused_pointwise, packed_gemm
+from prefixserve.model.native.fused_pointwise import check_slots
 from prefixserve.model.native.paged_decode_attention import DecodeState, PagedDecodeAttention
 from prefixserve.model.packed_weight import PackedWeight, embedding
 
@@ -45,6 +46,8 @@ class _Layer:
     k_pool: torch.Tensor      # [slots, KVH, D] views of the layer's pool
     v_pool: torch.Tensor
     pool: int
+    k_rows: int               # k_pool's and v_pool's data pointers
+    v_rows: int
 
 
 class _Buffers:
@@ -56,7 +59,7 @@ class _Buffers:
         new = lambda *shape, dtype=dtype: torch.empty(rows, *shape, dtype=dtype)  # noqa: E731
         self.residual, self.h, self.mlp_out = new(hidden), new(hidden), new(hidden)
         self.qkv = new(qkv)
-        self.q, self.k = new(heads, head_dim), new(kv_heads, head_dim)
+        self.q = new(heads, head_dim)
         self.queries = new(kv_heads, heads // kv_heads, head_dim, dtype=torch.float32)
         self.attn = new(heads * head_dim)
         self.o = new(hidden)
@@ -123,7 +126,7 @@ class DecodeProgram:
                 0 if qk[0] is None else qk[0].data_ptr(), 0 if qk[1] is None else qk[1].data_ptr(),
                 attn.o_proj.panels.data_ptr(), _float_bias(attn.o_bias), norms[1].data_ptr(),
                 mlp.gate_up_proj.panels.data_ptr(), mlp.down_proj.panels.data_ptr(), k_pool, v_pool,
-                cache.data_ptr()))
+                cache.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr()))
         if any(w.dtype != torch.bfloat16 or not w.is_contiguous() or not w.is_cpu for w in weights):
             return None
         return DecodeProgram(model, kv_caches, layers, pointwise, gemm, attention)
@@ -154,14 +157,17 @@ class DecodeProgram:
         half = self._head_dim // 2
         b = self._views(n)
         residual, h, mlp_out, qkv = b.residual[:n], b.h[:n], b.mlp_out[:n], b.qkv[:n]
-        q, k, queries, attn, o = b.q[:n], b.k[:n], b.queries[:n], b.attn[:n], b.o[:n]
+        q, queries, attn, o = b.q[:n], b.queries[:n], b.attn[:n], b.o[:n]
         gate_up, act = b.gate_up[:n], b.act[:n]
         residual.copy_(x)
         b.cos[:n].copy_(cos.reshape(n, half))
         b.sin[:n].copy_(sin.reshape(n, half))
-        v = qkv[:, self._q_size + self._kv_size:].view(n, self._kv_heads, self._head_dim)
         q_as_rows = q.view(n, self._kv_heads, -1, self._head_dim)
         slots = meta.common.slot_mapping
+        first = self._layers[0]
+        # layer 0's pools stand for every layer's (one shape, checked at build): qk_norm_rope writes there
+        check_slots(first.k_pool, first.v_pool, slots, n, (self._kv_heads, self._head_dim), torch.bfloat16)
+        slot_ptr = slots.data_ptr()
 
         # the attention calls of this step, checked once on layer 0's pool; each layer swaps in its own
         plan, tables = meta.decode, meta.native
@@ -184,15 +190,15 @@ class DecodeProgram:
 
         threads = torch.get_num_threads()
         hidden, inter, gemm, norm = self._hidden, self._intermediate, self._gemm, self._norm_fn
-        ptr = _Pointers(residual, h, mlp_out, qkv, q, k, attn, o, gate_up, act, b.cos, b.sin)
+        ptr = _Pointers(residual, h, mlp_out, qkv, q, attn, o, gate_up, act, b.cos, b.sin)
         for i, layer in enumerate(self._layers):
             # the first layer norms the embedding; the others add the last MLP output into the residual first
             norm(ptr.residual, ptr.mlp_out if i else 0, layer.input_norm, self._eps, ptr.h, n, hidden, threads)
             gemm(ptr.h, layer.qkv, _ptr(layer.qkv_bias), ptr.qkv, n, self._qkv_size, hidden, threads)
+            # the step's K/V rows go straight into the layer's pools
             self._qk_fn(ptr.qkv, self._qkv_size, self._heads, self._kv_heads, self._head_dim, layer.q_norm,
-                        layer.k_norm, self._qk_eps, ptr.cos, ptr.sin, ptr.q, ptr.k, n, threads)
-            layer.k_pool.index_copy_(0, slots, k)
-            layer.v_pool.index_copy_(0, slots, v)
+                        layer.k_norm, self._qk_eps, ptr.cos, ptr.sin, ptr.q, layer.k_rows, layer.v_rows, slot_ptr,
+                        n, threads)
             queries.copy_(q_as_rows)
             if fill is not None:
                 fill[0].zero_()
@@ -219,7 +225,6 @@ class _Pointers:
     mlp_out: int
     qkv: int
     q: int
-    k: int
     attn: int
     o: int
     gate_up: int

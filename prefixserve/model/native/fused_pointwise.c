@@ -27,6 +27,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "simd.h"
 
@@ -170,24 +171,29 @@ static inline void norm_rotate_bf16(const uint16_t* src, uint16_t* dst, const ui
 static inline __m256 load_f32(const float* p) { return _mm256_loadu_ps(p); }
 static inline void store_f32(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 
-/* qkv: [rows, row_stride], q heads at column 0, k heads right after them;
- * q_out: [rows, q_heads, d], k_out: [rows, k_heads, d]; cos, sin: [rows, d / 2];
- * q_weight, k_weight: [d] or both NULL (no per-head norm). d % 16 == 0.
+/* qkv: [rows, row_stride], q heads at column 0, k heads right after them, then (with v_out) as many v heads;
+ * q_out: [rows, q_heads, d]; cos, sin: [rows, d / 2]; q_weight, k_weight: [d] or both NULL (no per-head
+ * norm). d % 16 == 0. k_out: [rows, k_heads, d], or with `slots` a paged pool whose row slots[t] [k_heads, d]
+ * takes token t's k, and v_out (NULL: no v) the same for its v heads, copied as they are: a decode step
+ * writes its new K/V into the cache here instead of in two indexed copies after (0.5 ms of a 16-sequence
+ * bfloat16 step of the 0.6B model, in torch's index_copy_; 2-core Zen 5 EPYC). The caller checks the slots.
  * The row driver of every body: qk_norm_rope##S over one head's NORM_ROTATE, with TARGET's attribute. */
 #define QK_NORM_ROPE(S, TARGET, T, NORM_ROTATE)                                                            \
 TARGET void qk_norm_rope##S(const T* qkv, long row_stride, long q_heads, long k_heads, long d,             \
                             const T* q_weight, const T* k_weight, float eps, const T* cos, const T* sin,   \
-                            T* q_out, T* k_out, long rows, int threads) {                                  \
+                            T* q_out, T* k_out, T* v_out, const long* slots, long rows, int threads) {     \
     const long heads = q_heads + k_heads;                                                                  \
     _Pragma("omp parallel for num_threads(threads) schedule(static) if (rows * heads * d >= PARALLEL_MIN_FLOATS)") \
     for (long t = 0; t < rows; t++) {                                                                      \
         const T* src = qkv + t * row_stride;                                                               \
         const T* c = cos + t * (d / 2);                                                                    \
         const T* s = sin + t * (d / 2);                                                                    \
+        const long row = (slots ? slots[t] : t) * k_heads * d;                                             \
         for (long h = 0; h < q_heads; h++)                                                                 \
             NORM_ROTATE(src + h * d, q_out + (t * q_heads + h) * d, q_weight, eps, c, s, d);               \
         for (long h = 0; h < k_heads; h++)                                                                 \
-            NORM_ROTATE(src + (q_heads + h) * d, k_out + (t * k_heads + h) * d, k_weight, eps, c, s, d);   \
+            NORM_ROTATE(src + (q_heads + h) * d, k_out + row + h * d, k_weight, eps, c, s, d);             \
+        if (v_out) memcpy(v_out + row, src + heads * d, sizeof(T) * k_heads * d);                          \
     }                                                                                                      \
 }
 

@@ -37,7 +37,7 @@ class FusedPointwise:
         wide = "" if self.body == AVX2 else "_512"
         argtypes = {"add_rms_norm": [_float_p, _float_p, _float_p, _float, _float_p, _long, _long, _int],
                     "qk_norm_rope": [_float_p, _long, _long, _long, _long, _float_p, _float_p, _float,
-                                     _float_p, _float_p, _float_p, _float_p, _long, _int],
+                                     _float_p, _float_p, _float_p, _float_p, _float_p, _float_p, _long, _int],
                     "silu_and_mul": [_float_p, _float_p, _long, _long, _int]}
         # float32 and bfloat16 take the same signatures (pointers are untyped here)
         self._fns = {}
@@ -92,25 +92,35 @@ class FusedPointwise:
 
     def qk_norm_rope(self, qkv: torch.Tensor, q_heads: int, k_heads: int, head_dim: int,
                      q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-                     cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     cos: torch.Tensor, sin: torch.Tensor,
+                     pools: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q [T, q_heads, D] and k [T, k_heads, D], contiguous, from the leading columns of qkv [T, >= (q+k) D]:
-        each head RMS-normed (when weights are given) and rotated by cos/sin [T, D / 2] (any view of those)."""
+        each head RMS-normed (when weights are given) and rotated by cos/sin [T, D / 2] (any view of those).
+        pools = (k_pool, v_pool, slots): k is not returned but written into row slots[t] of k_pool
+        [S, k_heads, D], and v (the k_heads heads after k in qkv, as they are) into the same row of v_pool."""
         tokens = qkv.shape[0]
         half = head_dim // 2
-        if (qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] < (q_heads + k_heads) * head_dim
+        heads = q_heads + (2 if pools is not None else 1) * k_heads
+        if (qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] < heads * head_dim
                 or head_dim % 16 or (q_weight is None) != (k_weight is None)):
-            raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)} does not hold {q_heads} + {k_heads} heads "
-                             f"of {head_dim} (a multiple of 16) in contiguous rows")
+            raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)} does not hold the {heads} heads of {head_dim} "
+                             "(a multiple of 16) it is asked for in contiguous rows")
         # the rotary embedding's [T, 1, D / 2] in the model's dtype already has the layout read here
         cos, sin = (t if (t.dtype is qkv.dtype and t.is_contiguous() and t.shape[0] == tokens
                           and t.numel() == tokens * half)
                     else t.reshape(tokens, half).to(qkv.dtype).contiguous() for t in (cos, sin))
         q = qkv.new_empty(tokens, q_heads, head_dim)
-        k = qkv.new_empty(tokens, k_heads, head_dim)
-        self.function("qk_norm_rope", qkv.dtype)(qkv.data_ptr(), qkv.stride(0), q_heads, k_heads, head_dim, _ptr(q_weight),
-                           _ptr(k_weight), eps, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
-                           tokens, torch.get_num_threads())
-        return q, k
+        if pools is None:
+            k, v, slots = qkv.new_empty(tokens, k_heads, head_dim), None, None
+        else:
+            k, v, slots = pools
+            check_slots(k, v, slots, tokens, (k_heads, head_dim), qkv.dtype)
+        self.function("qk_norm_rope", qkv.dtype)(qkv.data_ptr(), qkv.stride(0), q_heads, k_heads, head_dim,
+                                                 _ptr(q_weight), _ptr(k_weight), eps, cos.data_ptr(), sin.data_ptr(),
+                                                 q.data_ptr(), k.data_ptr(), _ptr(v), _ptr(slots), tokens,
+                                                 torch.get_num_threads())
+        return q, (k if pools is None else None)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up [T, 2 I] holding gate then up in each row: [T, I]."""
@@ -120,6 +130,22 @@ class FusedPointwise:
         out = gate_up.new_empty(tokens, width // 2)
         self.function("silu_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), tokens, width // 2, torch.get_num_threads())
         return out
+
+
+def check_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, tokens: int,
+                row: tuple[int, int], dtype: torch.dtype) -> None:
+    """Raises ValueError unless the pools are contiguous [S, *row] CPU tensors in `dtype` and slots holds
+    `tokens` int64 indices into them: the C code writes where the slots say, unchecked."""
+    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if pool.dtype is not dtype or not pool.is_cpu or not pool.is_contiguous() or tuple(pool.shape[1:]) != row:
+            raise ValueError(f"qk_norm_rope: {name} {tuple(pool.shape)} {pool.dtype} is not a contiguous "
+                             f"[slots, {row[0]}, {row[1]}] {dtype} CPU tensor")
+    if k_pool.shape[0] != v_pool.shape[0]:
+        raise ValueError("qk_norm_rope: k_pool and v_pool hold different numbers of slots")
+    if slots.dtype is not torch.int64 or slots.shape != (tokens,) or not slots.is_contiguous() or not slots.is_cpu:
+        raise ValueError(f"qk_norm_rope: slots must be {tokens} contiguous int64 CPU indices")
+    if tokens and (int(slots.min()) < 0 or int(slots.max()) >= k_pool.shape[0]):
+        raise ValueError(f"qk_norm_rope: a slot lies outside the pools' {k_pool.shape[0]} rows")
 
 
 def _agrees_with_torch(kernel: FusedPointwise) -> bool:
