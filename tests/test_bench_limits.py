@@ -1,6 +1,8 @@
 """The limits math: model cost against an independent count (transformers' own parameters) and known figures."""
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -101,3 +103,35 @@ def test_measured_limits_are_positive_and_plausible() -> None:
     assert 1e7 < measure_bandwidth(torch.ones((8 << 20) // 4), repeat=1) < 1e13
     with pytest.raises(ValueError, match="positive"):
         _limits(0.0, 1.0)
+
+
+def test_batched_decode_pairs_each_step_with_the_reading_just_before_it(monkeypatch) -> None:
+    """Every decode step of long-doc-qa's requests (quick: 4 questions over 256 shared tokens) is set against
+    the bound at the reading taken just before it, at the contexts the sequences have in that step; the
+    prefill steps are not counted."""
+    from prefixserve import EngineConfig, LLMEngine
+    from prefixserve.benchmarks import roofline
+    from prefixserve.benchmarks.workloads import build_workload
+    readings = iter([(1e9 * (i + 1), 1e8 * (i + 1)) for i in range(100)])
+    taken, bounds = [], []
+    monkeypatch.setattr(roofline.LimitProbe, "read", lambda self: taken.append(next(readings)) or taken[-1])
+    real_bound = roofline.batched_decode_bound_s
+
+    def bound(cost, limits, contexts, shared):
+        assert (limits.matmul_flops, limits.bandwidth_bytes) == taken[-1]
+        bounds.append((list(contexts), shared, real_bound(cost, limits, contexts, shared)))
+        return bounds[-1][2]
+
+    monkeypatch.setattr(roofline, "batched_decode_bound_s", bound)
+    engine = LLMEngine(EngineConfig(model="random:qwen3-tiny", dtype="float32", num_kv_blocks=256))
+    cost = ModelCost(RANDOM_PRESETS["qwen3-tiny"], 4)
+    out = roofline.measure_batched_decode(engine, cost, _limits(1e9, 1e8), quick=True)
+    rnd = build_workload("long-doc-qa", quick=True).rounds[0]
+    assert out["steps"] == 6 == len(bounds) == len(taken)
+    for step, (contexts, shared, _) in enumerate(bounds):
+        assert shared == 256
+        assert contexts == [len(r.prompt_token_ids) + 1 + step for r in rnd]
+    assert out["sequences"] == 4 and not engine.has_unfinished_requests()
+    assert out["bandwidth_bytes"] == pytest.approx(statistics.median(b for _, b in taken))
+    # the ratios are step / bound per pair: the median step time over the smallest bound is an upper limit
+    assert 0 < out["ratio"] <= out["step_s"] / min(b for *_, b in bounds) + 1e-12

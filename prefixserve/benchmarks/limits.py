@@ -35,14 +35,20 @@ def measure_matmul(dtype: torch.dtype, sizes: tuple[int, ...] = (1024, 2048), re
     """FLOP/s of an n x n x n product for each n (2 n^3 FLOPs), by the faster of torch.mm and the
     kernel the model's projections use (on packed weights where the model packs them): the peak is what
     this machine can do, not what one library does."""
-    out = {}
-    for n in sizes:
-        a = torch.randn(n, n).to(dtype)
-        b = torch.randn(n, n).to(dtype)
-        weight = PackedWeight(b) if packing_applies(b) else b
-        seconds = min(best_seconds(lambda: torch.mm(a, b), repeat), best_seconds(lambda: linear(a, weight), repeat))
-        out[n] = 2 * n**3 / seconds
-    return out
+    return {n: _MatmulOperands(dtype, n).flops(repeat) for n in sizes}
+
+
+class _MatmulOperands:
+    def __init__(self, dtype: torch.dtype, n: int) -> None:
+        self.n = n
+        self.a = torch.randn(n, n).to(dtype)
+        self.b = torch.randn(n, n).to(dtype)
+        self.weight = PackedWeight(self.b) if packing_applies(self.b) else self.b
+
+    def flops(self, repeat: int) -> float:
+        seconds = min(best_seconds(lambda: torch.mm(self.a, self.b), repeat),
+                      best_seconds(lambda: linear(self.a, self.weight), repeat))
+        return 2 * self.n**3 / seconds
 
 
 def bandwidth_buffer(quick: bool) -> torch.Tensor:
@@ -53,6 +59,19 @@ def bandwidth_buffer(quick: bool) -> torch.Tensor:
 def measure_bandwidth(buf: torch.Tensor, repeat: int = 3) -> float:
     """Bytes/s read by summing `buf` (decode reads weights much like this)."""
     return buf.numel() * buf.element_size() / best_seconds(lambda: buf.sum(), repeat)
+
+
+class LimitProbe:
+    """Both limits read in a few tens of milliseconds, to pair with one timed step after another: the
+    operands are made once, the product is n = 1024, the sum over 256 MiB (8x the largest L3 seen here)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self._matmul = _MatmulOperands(dtype, 1024)
+        self._buffer = torch.ones((256 << 20) // 4, dtype=torch.float32)
+
+    def read(self) -> tuple[float, float]:
+        """(matmul FLOP/s, bandwidth bytes/s), each the better of two tries."""
+        return self._matmul.flops(2), measure_bandwidth(self._buffer, repeat=2)
 
 
 def measure_limits(dtype: torch.dtype, quick: bool = False) -> MachineLimits:

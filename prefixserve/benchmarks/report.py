@@ -121,7 +121,16 @@ def _roofline_md(roof: dict) -> list[str]:
             f"{d['fraction']:.0%} |",
             f"| TTFT, {w['prefix_tokens']} cached + {w['suffix_tokens']} new tokens | {w['warm_ttft_s'] * 1000:.0f} ms "
             f"| {w['suffix_only_ttft_s'] * 1000:.0f} ms (the {w['suffix_tokens']} tokens alone) | "
-            f"{w['ratio']:.2f}x |", ""]
+            f"{w['ratio']:.2f}x |"] + _batched_decode_md(roof.get("batched_decode")) + [""]
+
+
+def _batched_decode_md(b: Optional[dict]) -> list[str]:
+    if not b:
+        return []
+    return [f"| batched decode, {b['sequences']} sequences over {b['shared_tokens']} shared tokens (median of "
+            f"{b['steps']} steps) | {b['step_s'] * 1000:.1f} ms a step | its bound at limits read just before "
+            f"each step (median reading {b['matmul_flops'] / 1e9:.0f} GFLOP/s, {b['bandwidth_bytes'] / 1e9:.1f} "
+            f"GB/s) | {b['ratio']:.2f}x |"]
 
 
 def _targets_md(targets: list[Target]) -> list[str]:

@@ -106,6 +106,10 @@ def evaluate_targets(runs: list[RunResult], ideal_computed: dict[str, int], roof
     out.append(_at_most("warm TTFT of a cached long prefix vs prefilling only its suffix", 1.5,
                         warm and warm["ratio"], "TTFT(prefix cached + new suffix) / TTFT(the suffix alone)"))
     out += _long_doc_qa_of_ideal(want, wall.get((ps, "long-doc-qa")), ideal_seconds, best_ideal_seconds)
+    batched = roofline.get("batched_decode")
+    out.append(_at_most(BATCHED_DECODE, 1.5, batched and batched["ratio"],
+                        "median over decode steps of step time / its bound (weights + each distinct K/V byte over "
+                        "the bandwidth, or FLOPs over the peak), each at limits read just before that step"))
     tpot = {r.workload: r for r in runs if r.engine == ps}
     if "long-doc-qa" in tpot:
         tpots = sorted(t for t in (rec.tpot_s for rec in tpot["long-doc-qa"].records) if t is not None)
@@ -127,6 +131,7 @@ def evaluate_targets(runs: list[RunResult], ideal_computed: dict[str, int], roof
 
 
 AROUND = "the limits read just before and just after the run"
+BATCHED_DECODE = "batched decode over a shared prefix (long-doc-qa's requests): step time vs its bound"
 BEST = "the run's best limit readings (reported, no target)"
 
 
@@ -148,12 +153,13 @@ def _long_doc_qa_of_ideal(want: DtypeTargets, wall: Optional[float], ideal_secon
 
 
 def _tpot_of_bound(tpot: float, bound: Optional[float], best_bound: Optional[float]) -> list[Target]:
-    name, out = "long-doc-qa: batched-decode TPOT vs its bound", []
+    """long-doc-qa's TPOT p50 against its bound, reported: the target is judged on the paired steps
+    (BATCHED_DECODE), since one run's TPOT and limits read seconds apart moved 1.5x between runs."""
+    name, out = "long-doc-qa: TPOT p50 vs the batched-decode bound", []
     detail = ("TPOT p50 / bound ({:.0f} ms: weights + each distinct K/V byte over the bandwidth, or FLOPs over the "
               "peak, at {})")
-    if bound:
-        out.append(_at_most(name, 1.5, tpot / bound, detail.format(bound * 1e3, AROUND)))
-    if best_bound:
-        out.append(Target(f"{name}, at {BEST}", "report", tpot / best_bound, None,
-                          detail.format(best_bound * 1e3, "the run's best limits")))
+    for b, at in ((bound, AROUND), (best_bound, "the run's best limits")):
+        if b:
+            out.append(Target(f"{name}, at {at} (reported, no target)", "report", tpot / b, None,
+                              detail.format(b * 1e3, at)))
     return out
