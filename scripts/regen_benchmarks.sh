@@ -62,12 +62,12 @@ minutes=$(( ($(date +%s) - start + 59) / 60 ))
   (every weight once + the KV of every sequence). A workload's ideal time computes only tokens no earlier
   request computed, at the matmul peak, and decodes each round as one batch at the limit. On this machine both
   limits drift within minutes (bandwidth 39-77 GB/s in one run), so a ratio is set against limits read next to
-  what it times: the single-request prefill and decode figures ("prefixserve against the limits") against the
-  best reading before each of their rounds and after the last; long-doc-qa's fraction of its ideal time
-  against the better of a reading just before and one just after prefixserve's kept run. The batched-decode
-  target pairs steps with readings: long-doc-qa's requests decode together, each of 24 steps is timed right
-  after a quick reading of both limits (n = 1024 product, sum over 256 MiB) and set against its bound at that
-  reading, and the median of those ratios is judged. long-doc-qa's own TPOT p50 is reported against its bound
+  what it times: the single-request prefill against the best peak read before each of its rounds and after
+  the last; long-doc-qa's fraction of its ideal time against the better of a reading just before and one just
+  after prefixserve's kept run. Decode pairs steps with readings: each step (32 of one sequence; 24 of
+  long-doc-qa's requests decoding together) is timed right after a quick reading of both limits (n = 1024
+  product, sum over 256 MiB) and set against its bound at that reading, and the median of those ratios is
+  judged. long-doc-qa's own TPOT p50 is reported against its bound
   at the readings around its run and at the best of the whole run; the workload tables' "% of ideal" uses
   those best readings for every engine.
 - **Peak RSS** in the workload tables is the bench process's resident high-water mark during the run (reset

@@ -84,6 +84,7 @@ def test_long_doc_qa_run_is_judged_at_limits_read_around_it(results) -> None:
     assert sum(n.startswith("long-doc-qa: TPOT p50 vs the batched-decode bound") for n in names) == 2
     batched = results.roofline["batched_decode"]
     assert batched["steps"] == 6 and batched["sequences"] == 4 and batched["ratio"] > 0
+    assert results.roofline["decode_b1"]["steps"] == 8       # the 9 quick tokens after the first, paired
     assert f"| {batched['ratio']:.2f}x |" in text
 
 

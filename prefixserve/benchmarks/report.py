@@ -116,9 +116,9 @@ def _roofline_md(roof: dict) -> list[str]:
             f"| prefill, {p['tokens']}-token prompt | {p['tokens_per_s']:.0f} tok/s | {p['ideal_tokens_per_s']:.0f} "
             f"tok/s (at {p['matmul_flops'] / 1e9:.0f} GFLOP/s, the best reading around its rounds) | "
             f"{p['fraction']:.0%} |",
-            f"| batch-1 decode | {d['steps_per_s']:.2f} steps/s | {d['ideal_steps_per_s']:.2f} steps/s "
-            f"(at {d['bandwidth_bytes'] / 1e9:.1f} GB/s, the best reading around its rounds) | "
-            f"{d['fraction']:.0%} |",
+            f"| batch-1 decode (median of {d['steps']} steps) | {d['steps_per_s']:.2f} steps/s | "
+            f"{d['ideal_steps_per_s']:.2f} steps/s (its bound at limits read just before each step, median "
+            f"reading {d['bandwidth_bytes'] / 1e9:.1f} GB/s) | {d['fraction']:.0%} (median of the paired ratios) |",
             f"| TTFT, {w['prefix_tokens']} cached + {w['suffix_tokens']} new tokens | {w['warm_ttft_s'] * 1000:.0f} ms "
             f"| {w['suffix_only_ttft_s'] * 1000:.0f} ms (the {w['suffix_tokens']} tokens alone) | "
             f"{w['ratio']:.2f}x |"] + _batched_decode_md(roof.get("batched_decode")) + [""]

@@ -2,18 +2,18 @@
 
 prefill: one 512-token prompt, nothing cached, timed to its first token.
 decode: one sequence, time per output token after the first.
-The matmul peak and the memory bandwidth these are set against are read before
-each of their rounds and after the last, and the best of those readings is
-taken: on a shared machine the limits of some minutes earlier say little (peaks
-of 108-148 GFLOP/s and 16-24 GB/s seen; 81 and 155 in one run; 39-77 GB/s in one
-run on a 2-core Zen 5 EPYC).
+The prefill is set against the best matmul peak read before each of its rounds
+and after the last: on a shared machine the limits of some minutes earlier say
+little (peaks of 108-148 GFLOP/s and 16-24 GB/s seen; 81 and 155 in one run;
+39-77 GB/s in one run on a 2-core Zen 5 EPYC). The decode figures pair readings
+with steps instead (below).
 warm TTFT: a long prefix already cached plus a new 32-token suffix, against
 the first-token time of a prompt made of that suffix alone (what computing only
 the uncached tokens costs).
-batched decode: long-doc-qa's requests (16 questions over one 1024-token
-document) decoding together, each step timed right after a quick reading of
-both limits and set against its bound at that reading; the median of those
-paired ratios. The bandwidth read 39-77 GB/s within one run on a 2-core Zen 5
+decode, and batched decode (long-doc-qa's requests: 16 questions over one
+1024-token document, decoding together): each step timed right after a quick
+reading of both limits and set against its bound at that reading; the median of
+those paired ratios. The bandwidth read 39-77 GB/s within one run on a 2-core Zen 5
 EPYC: a bound from a reading seconds or minutes away from the steps it judges
 measures the machine's drift as much as the engine.
 """
@@ -27,8 +27,8 @@ from dataclasses import replace
 import torch
 
 from prefixserve import LLMEngine, SamplingParams
-from prefixserve.benchmarks.limits import LimitProbe, MachineLimits, ModelCost, bandwidth_buffer, \
-    batched_decode_bound_s, ideal_decode_steps_per_s, ideal_prefill_tokens_per_s, measure_bandwidth, measure_matmul
+from prefixserve.benchmarks.limits import LimitProbe, MachineLimits, ModelCost, batched_decode_bound_s, \
+    ideal_prefill_tokens_per_s, measure_matmul
 from prefixserve.benchmarks.workloads import TOKEN_HIGH, TOKEN_LOW, build_workload
 
 _ids = iter(range(1 << 62))
@@ -68,17 +68,7 @@ def measure_roofline(engine: LLMEngine, cost: ModelCost, limits: MachineLimits, 
     prefill_limits = replace(limits, matmul_flops=max(peaks))
     prefill_ideal = ideal_prefill_tokens_per_s(cost, prefill_limits, prefill_len)
 
-    per_token, bandwidths = [], []
-    buf = bandwidth_buffer(quick)
-    for _ in range(repeat):
-        bandwidths.append(measure_bandwidth(buf, repeat=2))
-        ttft, e2e, n = time_request(engine, _tokens(rng, 64), decode_tokens)
-        per_token.append((e2e - ttft) / (n - 1))
-    bandwidths.append(measure_bandwidth(buf, repeat=2))
-    del buf
-    decode_rate = 1.0 / min(per_token)
-    decode_limits = replace(limits, bandwidth_bytes=max(bandwidths))
-    decode_ideal = ideal_decode_steps_per_s(cost, decode_limits, [64 + decode_tokens // 2])
+    single = _paired_decode(engine, cost, limits, [_tokens(rng, 64)], 0, decode_tokens - 1)
 
     doc = _tokens(rng, doc_len)
     time_request(engine, doc + _tokens(rng, suffix_len), 1)
@@ -94,8 +84,9 @@ def measure_roofline(engine: LLMEngine, cost: ModelCost, limits: MachineLimits, 
     return {
         "prefill": {"tokens": prefill_len, "tokens_per_s": prefill_rate, "ideal_tokens_per_s": prefill_ideal,
                     "matmul_flops": prefill_limits.matmul_flops, "fraction": prefill_rate / prefill_ideal},
-        "decode_b1": {"steps_per_s": decode_rate, "ideal_steps_per_s": decode_ideal,
-                      "bandwidth_bytes": decode_limits.bandwidth_bytes, "fraction": decode_rate / decode_ideal},
+        "decode_b1": {"steps_per_s": 1.0 / single["step_s"], "ideal_steps_per_s": 1.0 / single["bound_s"],
+                      "steps": single["steps"], "bandwidth_bytes": single["bandwidth_bytes"],
+                      "fraction": 1.0 / single["ratio"]},
         "warm_ttft": {"prefix_tokens": doc_len, "suffix_tokens": suffix_len, "warm_ttft_s": warm,
                       "suffix_only_ttft_s": suffix_only, "ratio": warm / suffix_only},
         "batched_decode": batched,
@@ -103,15 +94,23 @@ def measure_roofline(engine: LLMEngine, cost: ModelCost, limits: MachineLimits, 
 
 
 def measure_batched_decode(engine: LLMEngine, cost: ModelCost, limits: MachineLimits, quick: bool) -> dict:
-    """long-doc-qa's requests decoding together (their prefill untimed): each decode step timed right after
-    a LimitProbe reading, and set against batched_decode_bound_s at that reading."""
+    """long-doc-qa's requests decoding together (their prefill untimed), step by step against the limits
+    read just before each step (_paired_decode)."""
     rnd = build_workload("long-doc-qa", quick).rounds[0]
     shared = min(r.shared_prefix_len for r in rnd)
-    steps = 6 if quick else 24
-    ids = {f"roofline-{next(_ids)}": req for req in rnd}
-    for rid, req in ids.items():
-        engine.add_request(rid, list(req.prompt_token_ids),
-                           SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
+    out = _paired_decode(engine, cost, limits, [list(r.prompt_token_ids) for r in rnd], shared, 6 if quick else 24)
+    return {"sequences": len(rnd), "shared_tokens": shared, **out}
+
+
+def _paired_decode(engine: LLMEngine, cost: ModelCost, limits: MachineLimits, prompts: list[list[int]],
+                   shared: int, steps: int) -> dict:
+    """The prompts decoding together for `steps` steps after their first tokens (prefill untimed): each step
+    timed right after a LimitProbe reading and set against batched_decode_bound_s at that reading, the
+    prompts' first `shared` tokens one run they all read. The medians of the step times, the bounds, the
+    readings, and of the paired ratios (step / its bound)."""
+    ids = {f"roofline-{next(_ids)}": prompt for prompt in prompts}
+    for rid, prompt in ids.items():
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
     made = dict.fromkeys(ids, 0)
 
     def step() -> None:
@@ -122,10 +121,10 @@ def measure_batched_decode(engine: LLMEngine, cost: ModelCost, limits: MachineLi
     while min(made.values()) == 0:
         step()
     probe = LimitProbe(getattr(torch, limits.dtype))
-    ratios, seconds, flops, bandwidths = [], [], [], []
+    ratios, seconds, bounds, flops, bandwidths = [], [], [], [], []
     while max(made.values()) <= steps and engine.has_unfinished_requests():
         # every sequence decodes one token this step, at its context so far
-        contexts = [len(req.prompt_token_ids) + made[rid] for rid, req in ids.items() if made[rid] <= steps]
+        contexts = [len(prompt) + made[rid] for rid, prompt in ids.items() if made[rid] <= steps]
         peak, bandwidth = probe.read()
         start = time.perf_counter()
         step()
@@ -134,10 +133,11 @@ def measure_batched_decode(engine: LLMEngine, cost: ModelCost, limits: MachineLi
                                        contexts, shared)
         ratios.append(elapsed / bound)
         seconds.append(elapsed)
+        bounds.append(bound)
         flops.append(peak)
         bandwidths.append(bandwidth)
     while engine.has_unfinished_requests():
         engine.step()
-    return {"sequences": len(rnd), "shared_tokens": shared, "steps": len(ratios),
-            "ratio": statistics.median(ratios), "step_s": statistics.median(seconds),
-            "matmul_flops": statistics.median(flops), "bandwidth_bytes": statistics.median(bandwidths)}
+    median = statistics.median
+    return {"steps": len(ratios), "ratio": median(ratios), "step_s": median(seconds), "bound_s": median(bounds),
+            "matmul_flops": median(flops), "bandwidth_bytes": median(bandwidths)}
