@@ -89,12 +89,13 @@ def to_markdown(res: BenchResults) -> str:
     lines.append(f"| memory bandwidth (sum over {'256 MiB' if c.quick else '1 GiB'}), at the start | "
                  f"{lim.bandwidth_bytes / 1e9:.1f} GB/s |")
     best = res.best_limits()
-    lines.append(f"| best of every reading in the run, which the workloads' ideal times below are set against "
+    lines.append(f"| best of the readings at the start and around the single-request rounds, which the workloads' ideal "
+                 "times below are set against "
                  f"| {best.matmul_flops / 1e9:.1f} GFLOP/s, {best.bandwidth_bytes / 1e9:.1f} GB/s |")
     if any("limits_around" in r.extra for r in res.runs if r.workload == "long-doc-qa"):
         around = res.limits_around("long-doc-qa")
         lines.append(f"| read just before and just after prefixserve's kept long-doc-qa run, the better of each, "
-                     f"which its TPOT and fraction-of-ideal targets are set against | "
+                     f"which its fraction-of-ideal target is set against (its TPOT p50 is reported against them) | "
                      f"{around.matmul_flops / 1e9:.1f} GFLOP/s, {around.bandwidth_bytes / 1e9:.1f} GB/s |")
     lines.append(f"| ideal prefill, 512-token prompt | {ideal_prefill_tokens_per_s(cost, best, 512):.0f} tokens/s |")
     lines.append(f"| ideal batch-1 decode (context 80) | {ideal_decode_steps_per_s(cost, best, [80]):.1f} steps/s |")

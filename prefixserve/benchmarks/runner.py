@@ -89,10 +89,11 @@ class BenchResults:
         return replace(self.limits, matmul_flops=around["matmul_flops"], bandwidth_bytes=around["bandwidth_bytes"])
 
     def best_limits(self) -> MachineLimits:
-        """The limits every ideal time and bound of the report is set against: the highest matmul rate and
-        bandwidth measured anywhere in the run, at its start and between the roofline's rounds. On a shared
-        machine one reading can come out low (81 against 155 GFLOP/s within one run on a 2-core EPYC), and a
-        bound set against it is that much looser; the best reading only makes a ratio stricter."""
+        """The limits the workloads' ideal times are set against: the highest matmul rate and bandwidth of
+        the readings at the run's start and around the single-request rounds (the prefill's peaks, the
+        batch-1 decode's median paired bandwidth). On a shared machine one reading can come out low (81
+        against 155 GFLOP/s within one run on a 2-core EPYC); the best of several only makes a ratio stricter.
+        The targets judged against the limits use readings taken next to what they time instead."""
         flops, bandwidth = self.limits.matmul_flops, self.limits.bandwidth_bytes
         if "prefill" in self.roofline:
             flops = max(flops, self.roofline["prefill"]["matmul_flops"])
