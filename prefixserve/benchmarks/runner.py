@@ -32,8 +32,8 @@ from prefixserve.model.native.isa import cpu_probe
 
 # KV pool of the prefixserve engines: room for every full workload's largest round without caching.
 _KV_POOL, _KV_POOL_QUICK = 2 << 30, 1 << 30
-# The workloads whose targets set prefixserve's run against the machine's limits (its fraction of the ideal
-# time, its TPOT against the batched-decode bound): the limits are read around each of their runs.
+# The workloads whose wall time is judged against the machine's limits (long-doc-qa's fraction of its ideal
+# time): the limits are read around each of their runs.
 JUDGED_AGAINST_LIMITS_AROUND = ("long-doc-qa",)
 
 
