@@ -10,7 +10,7 @@ import torch
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.model.decode_program import DecodeProgram
-from prefixserve.model.native import packed_gemm
+from prefixserve.model.native import decode_loop, packed_gemm
 from prefixserve.model.native.build import enabled
 
 # the packed kernel also loads on AVX-512 CPUs without avx512_bf16, with its float32 body only
@@ -82,11 +82,14 @@ def test_outputs_match_a_runner_without_the_program(tiny_checkpoint) -> None:
 
 
 def test_not_built_where_it_does_not_apply(tiny_checkpoint, monkeypatch) -> None:
-    """float32 models (row-major projections) and a backend without the native decode kernel keep the
-    modules."""
+    """float32 models (row-major projections), a backend without the native decode kernel and a process
+    without the loop kernel keep the modules."""
     llm = LLM(str(tiny_checkpoint("qwen3")), dtype="float32", block_size=16, num_kv_blocks=32)
     assert llm.engine.runner.decode_program is None
     runner = _llm(tiny_checkpoint("qwen3")).engine.runner
+    with monkeypatch.context() as patch:
+        patch.setattr(decode_loop, "default_kernel", lambda: None)
+        assert DecodeProgram.build(runner.model, runner.kv_caches) is None
     monkeypatch.setattr(runner.model.attention_backend, "_decode_kernel", None)
     assert DecodeProgram.build(runner.model, runner.kv_caches) is None
     # pools of different shapes cannot share one set of checked arguments

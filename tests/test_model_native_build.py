@@ -23,13 +23,14 @@ import pytest
 
 from native_kernel_build import needs_kernel
 from prefixserve.model.native import build, fused_pointwise, packed_gemm, paged_decode_attention, paged_prefill_attention, \
-    row_argmax
+    row_argmax, decode_loop
 from prefixserve.model.native import report, small_m_gemm
 from prefixserve.model.native.isa import AVX2, best_isa
 from prefixserve.model.native.small_m_gemm import SmallMGemm, _agrees_with_torch
 
 NAME = "small_m_gemm"   # the quickest kernel to build
-DEFAULTS = (small_m_gemm, packed_gemm, paged_decode_attention, paged_prefill_attention, fused_pointwise, row_argmax)
+DEFAULTS = (small_m_gemm, packed_gemm, paged_decode_attention, paged_prefill_attention, fused_pointwise, row_argmax,
+            decode_loop)
 # packed_gemm is made of AVX-512 multiply-adds: elsewhere it is reported as such and nothing of it runs
 RUNNABLE = {module.__name__.rsplit(".", 1)[1] for module in DEFAULTS} - (
     set() if best_isa() != AVX2 else {"packed_gemm"})
@@ -321,7 +322,7 @@ def test_a_cpu_without_avx2_is_reported(monkeypatch, fresh_defaults):
 def test_report_before_any_kernel_is_used(fresh_defaults):
     result = report.kernel_report()
     assert set(result) == {"small_m_gemm", "packed_gemm", "paged_decode_attention", "paged_prefill_attention",
-                           "fused_pointwise", "row_argmax"}
+                           "fused_pointwise", "row_argmax", "decode_loop"}
     assert all(entry["reason"] == build.NOT_LOADED and not entry["active"] for entry in result.values())
 
 

@@ -6,25 +6,28 @@ Python around its nine kernel calls (module dispatch, attribute lookups, a fresh
 tensor per result, the same operand checks every layer; 2-core Zen 5 EPYC). This
 program checks the operands once when it is built (weights, pools) and once per
 step (the step's tables and lengths, through the attention kernel's own
-checks), keeps its activations in buffers that live as long as it does, and
-then calls the C functions with their arguments already laid out, layer after
-layer.
+checks), keeps its activations in buffers that live as long as it does, lays
+out the step's arguments once, and hands them to one C call that runs every
+layer's kernels (`native/decode_loop.c`: calling them from Python, layer after
+layer, still cost ~2 ms a step).
 
 It runs the module path's kernels in the module path's order on the same
 values, so its hidden states are the module path's bits
 (`tests/test_model_decode_program.py` holds every step of a run to it). It
 applies to steps whose every token is a decode token of a model whose every
-projection is packed (`packed_weight.py`) and whose pointwise and attention
-kernels are loaded; anything else runs the modules.
+projection is packed (`packed_weight.py`) and whose pointwise, attention and
+loop kernels are loaded; anything else runs the modules.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 
 from prefixserve.model.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata
-from prefixserve.model.native import fused_pointwise, packed_gemm
+from prefixserve.model.native import decode_loop, fused_pointwise, packed_gemm
+from prefixserve.model.native.decode_loop import AttentionCall, DecodeLayer, DecodeLoop, DecodeStep, address
 from prefixserve.model.native.fused_pointwise import check_slots
 from prefixserve.model.native.paged_decode_attention import DecodeState, PagedDecodeAttention
 from prefixserve.model.packed_weight import PackedWeight, embedding
@@ -32,22 +35,11 @@ from prefixserve.model.packed_weight import PackedWeight, embedding
 
 @dataclass(frozen=True)
 class _Layer:
-    """One layer's operands as the C calls take them: data pointers, a bias as float32 or None."""
-    input_norm: int
-    qkv: int
-    qkv_bias: torch.Tensor | None
-    q_norm: int
-    k_norm: int
-    o: int
-    o_bias: torch.Tensor | None
-    post_norm: int
-    gate_up: int
-    down: int
+    """One layer as the loop takes it, and the tensors its addresses point into (kept alive here)."""
+    operands: DecodeLayer
+    biases: tuple[torch.Tensor | None, torch.Tensor | None]     # qkv's and o's, float32
     k_pool: torch.Tensor      # [slots, KVH, D] views of the layer's pool
     v_pool: torch.Tensor
-    pool: int
-    k_rows: int               # k_pool's and v_pool's data pointers
-    v_rows: int
 
 
 class _Buffers:
@@ -73,11 +65,12 @@ class DecodeProgram:
 
     def __init__(self, model, kv_caches: list[torch.Tensor], layers: list[_Layer],
                  pointwise: fused_pointwise.FusedPointwise, gemm: packed_gemm.PackedGemm,
-                 attention: PagedDecodeAttention) -> None:
+                 attention: PagedDecodeAttention, loop: DecodeLoop) -> None:
         config = model.config
         self._model = model
         self._pool = kv_caches[0]
         self._layers = layers
+        self._operands = (DecodeLayer * len(layers))(*(layer.operands for layer in layers))
         self._heads, self._kv_heads, self._head_dim = (config.num_attention_heads, config.num_key_value_heads,
                                                        config.head_dim)
         self._hidden, self._intermediate = config.hidden_size, config.intermediate_size
@@ -88,10 +81,12 @@ class DecodeProgram:
         self._scale = model.layers[0].self_attn.scale
         self._final_norm = model.norm.weight.data_ptr()
         self._norm_fn = pointwise.function("add_rms_norm", torch.bfloat16)
-        self._qk_fn = pointwise.function("qk_norm_rope", torch.bfloat16)
-        self._silu_fn = pointwise.function("silu_and_mul", torch.bfloat16)
-        self._gemm = gemm.functions[torch.bfloat16]
+        self._kernels = {"norm": address(self._norm_fn), "gemm": address(gemm.functions[torch.bfloat16]),
+                         "qk": address(pointwise.function("qk_norm_rope", torch.bfloat16)),
+                         "silu": address(pointwise.function("silu_and_mul", torch.bfloat16)),
+                         "attention": address(attention.function)}
         self._attention = attention
+        self._loop = loop
         self._buffers: _Buffers | None = None
 
     @staticmethod
@@ -100,10 +95,10 @@ class DecodeProgram:
         bfloat16 on the CPU with every projection packed, its head dim not whole 16-element rows, pools
         not all one contiguous shape, or a kernel it calls not loaded."""
         backend = model.attention_backend
-        pointwise, gemm = fused_pointwise.default_kernel(), packed_gemm.default_kernel()
+        pointwise, gemm, loop = fused_pointwise.default_kernel(), packed_gemm.default_kernel(), decode_loop.default_kernel()
         attention = backend.decode_kernel if isinstance(backend, TorchPagedAttention) else None
         config = model.config
-        if (pointwise is None or gemm is None or attention is None or config.head_dim % 16
+        if (pointwise is None or gemm is None or attention is None or loop is None or config.head_dim % 16
                 or config.hidden_size % 8 or config.intermediate_size % 16 or len(kv_caches) != len(model.layers)):
             return None
         pool = kv_caches[0]
@@ -121,15 +116,15 @@ class DecodeProgram:
             qk = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
             weights += norms + tuple(w for w in qk if w is not None)
             k_pool, v_pool = (cache[i].view(-1, config.num_key_value_heads, config.head_dim) for i in (0, 1))
-            layers.append(_Layer(
-                norms[0].data_ptr(), attn.qkv_proj.panels.data_ptr(), _float_bias(attn.qkv_bias),
-                0 if qk[0] is None else qk[0].data_ptr(), 0 if qk[1] is None else qk[1].data_ptr(),
-                attn.o_proj.panels.data_ptr(), _float_bias(attn.o_bias), norms[1].data_ptr(),
-                mlp.gate_up_proj.panels.data_ptr(), mlp.down_proj.panels.data_ptr(), k_pool, v_pool,
-                cache.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr()))
+            biases = (_float_bias(attn.qkv_bias), _float_bias(attn.o_bias))
+            layers.append(_Layer(DecodeLayer(
+                norms[0].data_ptr(), attn.qkv_proj.panels.data_ptr(), _ptr(biases[0]), _ptr(qk[0]), _ptr(qk[1]),
+                attn.o_proj.panels.data_ptr(), _ptr(biases[1]), norms[1].data_ptr(), mlp.gate_up_proj.panels.data_ptr(),
+                mlp.down_proj.panels.data_ptr(), cache.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr()),
+                biases, k_pool, v_pool))
         if any(w.dtype != torch.bfloat16 or not w.is_contiguous() or not w.is_cpu for w in weights):
             return None
-        return DecodeProgram(model, kv_caches, layers, pointwise, gemm, attention)
+        return DecodeProgram(model, kv_caches, layers, pointwise, gemm, attention, loop)
 
     @staticmethod
     def applies(meta, tokens: int) -> bool:
@@ -162,79 +157,40 @@ class DecodeProgram:
         residual.copy_(x)
         b.cos[:n].copy_(cos.reshape(n, half))
         b.sin[:n].copy_(sin.reshape(n, half))
-        q_as_rows = q.view(n, self._kv_heads, -1, self._head_dim)
         slots = meta.common.slot_mapping
         first = self._layers[0]
         # layer 0's pools stand for every layer's (one shape, checked at build): qk_norm_rope writes there
         check_slots(first.k_pool, first.v_pool, slots, n, (self._kv_heads, self._head_dim), torch.bfloat16)
-        slot_ptr = slots.data_ptr()
 
-        # the attention calls of this step, checked once on layer 0's pool; each layer swaps in its own
+        # the attention calls of this step, checked once on layer 0's pool; the loop swaps in each layer's
         plan, tables = meta.decode, meta.native
-        state = None
+        state = fill = None
         calls = []
         if plan.shared:
             state = DecodeState.fresh(queries.shape, filled=not plan.runs_cover_all)
-            fill = None if plan.runs_cover_all else (state.acc, state.m, state.l)
+            fill = None if plan.runs_cover_all else state
             for run_tables in tables.runs:
                 calls.append(self._attention.prepare_run_partial(queries, self._pool, run_tables, self._scale, state))
-        else:
-            fill = None
-        # the arguments hold addresses only: `written` and `lse` are locals so that they outlive the loop
+        # the arguments hold addresses only: `written` and `lse` are locals so that they outlive the call
         arguments, written, lse = self._attention.prepare_run(queries, self._pool, tables.suffix, self._scale, state)
         calls.append(arguments)
-        at = PagedDecodeAttention.POOL_ARGUMENT
-        calls = [(c[:at], c[at + 1:]) for c in calls]
-        attention = self._attention.function
-        result_rows = written.acc.view(n, self._heads * self._head_dim)
+        call_array = (AttentionCall * len(calls))(*(AttentionCall.from_arguments(c) for c in calls))
 
-        threads = torch.get_num_threads()
-        hidden, inter, gemm, norm = self._hidden, self._intermediate, self._gemm, self._norm_fn
-        ptr = _Pointers(residual, h, mlp_out, qkv, q, attn, o, gate_up, act, b.cos, b.sin)
-        for i, layer in enumerate(self._layers):
-            # the first layer norms the embedding; the others add the last MLP output into the residual first
-            norm(ptr.residual, ptr.mlp_out if i else 0, layer.input_norm, self._eps, ptr.h, n, hidden, threads)
-            gemm(ptr.h, layer.qkv, _ptr(layer.qkv_bias), ptr.qkv, n, self._qkv_size, hidden, threads)
-            # the step's K/V rows go straight into the layer's pools
-            self._qk_fn(ptr.qkv, self._qkv_size, self._heads, self._kv_heads, self._head_dim, layer.q_norm,
-                        layer.k_norm, self._qk_eps, ptr.cos, ptr.sin, ptr.q, layer.k_rows, layer.v_rows, slot_ptr,
-                        n, threads)
-            queries.copy_(q_as_rows)
-            if fill is not None:
-                fill[0].zero_()
-                fill[1].fill_(float("-inf"))
-                fill[2].zero_()
-            for before, after in calls:
-                attention(*before, layer.pool, *after)
-            attn.copy_(result_rows)
-            gemm(ptr.attn, layer.o, _ptr(layer.o_bias), ptr.o, n, hidden, self._q_size, threads)
-            norm(ptr.residual, ptr.o, layer.post_norm, self._eps, ptr.h, n, hidden, threads)
-            gemm(ptr.h, layer.gate_up, 0, ptr.gate_up, n, 2 * inter, hidden, threads)
-            self._silu_fn(ptr.gate_up, ptr.act, n, inter, threads)
-            gemm(ptr.act, layer.down, 0, ptr.mlp_out, n, hidden, inter, threads)
-        out = torch.empty(n, hidden, dtype=torch.bfloat16)
-        norm(ptr.residual, ptr.mlp_out, self._final_norm, self._eps, out.data_ptr(), n, hidden, threads)
+        step = DecodeStep(
+            **self._kernels, rows=n, hidden=self._hidden, q_size=self._q_size, qkv_size=self._qkv_size,
+            intermediate=self._intermediate, heads=self._heads, kv_heads=self._kv_heads, head_dim=self._head_dim,
+            eps=self._eps, qk_eps=self._qk_eps, residual=residual.data_ptr(), h=h.data_ptr(),
+            mlp_out=mlp_out.data_ptr(), qkv=qkv.data_ptr(), q=q.data_ptr(), attn=attn.data_ptr(), o=o.data_ptr(),
+            gate_up=gate_up.data_ptr(), act=act.data_ptr(), cos=b.cos.data_ptr(), sin=b.sin.data_ptr(),
+            slots=slots.data_ptr(), queries=queries.data_ptr(), result=written.acc.data_ptr(),
+            fill_acc=0 if fill is None else fill.acc.data_ptr(), fill_m=0 if fill is None else fill.m.data_ptr(),
+            fill_l=0 if fill is None else fill.l.data_ptr(),
+            calls=ctypes.addressof(call_array), num_calls=len(calls), threads=torch.get_num_threads())
+        self._loop.run(step, self._operands)
+        out = torch.empty(n, self._hidden, dtype=torch.bfloat16)
+        self._norm_fn(residual.data_ptr(), mlp_out.data_ptr(), self._final_norm, self._eps, out.data_ptr(), n,
+                      self._hidden, step.threads)
         return out
-
-
-@dataclass(frozen=True)
-class _Pointers:
-    """The step's buffers' data pointers (the C calls take addresses; reading them once per step)."""
-    residual: int
-    h: int
-    mlp_out: int
-    qkv: int
-    q: int
-    attn: int
-    o: int
-    gate_up: int
-    act: int
-    cos: int
-    sin: int
-
-    def __init__(self, *tensors: torch.Tensor) -> None:
-        for name, t in zip(self.__dataclass_fields__, tensors):
-            object.__setattr__(self, name, t.data_ptr())
 
 
 def _float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:

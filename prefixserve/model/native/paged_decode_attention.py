@@ -59,8 +59,6 @@ class PagedDecodeAttention:
     `partial(...)` -> the DecodeState a later `__call__(..., carry=state)` finishes. `tables(...)` checks
     tables and lengths once for `run` and `run_partial`, which take them checked."""
 
-    POOL_ARGUMENT = 1       # where the pool's data pointer sits in the C call's arguments
-
     def __init__(self, library: ctypes.CDLL, body: str | None = None) -> None:
         self._fn = library.paged_decode_attention
         self._fn.restype = None
@@ -140,8 +138,8 @@ class PagedDecodeAttention:
         """`run` checked but not called: (the C call's arguments, the state it writes, whose acc becomes the
         output, lse). The arguments hold addresses only: the caller keeps q (contiguous), the pool, the
         tables, the state and lse alive.
-        The pool's data pointer is argument POOL_ARGUMENT: a caller running the same call over every
-        layer's pool (pools of one shape and dtype) checks once and swaps it (model/decode_program.py)."""
+        A caller running the same call over every layer's pool (pools of one shape and dtype) checks once
+        and swaps the pool's pointer, argument 1 (model/decode_program.py, through native/decode_loop.c)."""
         if carry is None:
             state = DecodeState.fresh(q.shape, filled=False)
         else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prefixserve.model.native import (build, fused_pointwise, packed_gemm, paged_decode_attention,
+from prefixserve.model.native import (build, decode_loop, fused_pointwise, packed_gemm, paged_decode_attention,
                                       paged_prefill_attention, row_argmax, small_m_gemm)
 
 _DEFAULT_KERNELS: dict[str, Callable[[], object]] = {
@@ -19,6 +19,7 @@ _DEFAULT_KERNELS: dict[str, Callable[[], object]] = {
     "paged_prefill_attention": paged_prefill_attention.default_kernel,
     "fused_pointwise": fused_pointwise.default_kernel,
     "row_argmax": row_argmax.default_kernel,
+    "decode_loop": decode_loop.default_kernel,
 }
 
 

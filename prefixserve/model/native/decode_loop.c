@@ -1,0 +1,149 @@
+/* The layer loop of a bfloat16 decode step (model/decode_program.py): every layer's kernel calls, one
+ * after the other, from C.
+ *
+ * The program used to make these calls from Python: nine ctypes calls and two torch copies a layer,
+ * their arguments laid out once a step. At 16 sequences of the 0.6B model that was still ~2 ms of a
+ * ~55 ms step outside the kernels (71 us a layer: converting a dozen integer arguments per call, the
+ * copies' dispatch), and the same ~2 ms at one sequence, where the step is ~25 ms (2-core Zen 5 EPYC).
+ * Here one call runs them all. The kernels are the program's own, reached through the addresses the
+ * caller hands over (the libraries are built and checked separately), called in the same order with
+ * the same arguments, so the hidden states keep their bits.
+ *
+ * The two copies the Python loop made with torch are done here: the step's queries widened to float32
+ * for the attention kernel (exact), and its output narrowed back to bfloat16 for o_proj, rounded to
+ * nearest even as torch rounds (a NaN becomes bfloat16's quiet NaN, 0x7FC0, as torch's scalar rounding
+ * gives it).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+typedef void (*NormFn)(uint16_t* residual, const uint16_t* delta, const uint16_t* weight, float eps, uint16_t* out,
+                       long rows, long n, int threads);
+typedef void (*GemmFn)(const uint16_t* x, const uint16_t* wp, const float* bias, uint16_t* y, long m, long n, long k,
+                       int threads);
+typedef void (*QkFn)(const uint16_t* qkv, long row_stride, long q_heads, long k_heads, long d, const uint16_t* q_weight,
+                     const uint16_t* k_weight, float eps, const uint16_t* cos, const uint16_t* sin, uint16_t* q_out,
+                     uint16_t* k_out, uint16_t* v_out, const long* slots, long rows, int threads);
+typedef void (*SiluFn)(const uint16_t* gate_up, uint16_t* out, long rows, long n, int threads);
+typedef void (*AttentionFn)(const float* q, const void* pool, int pool_bf16, const long* tables, const long* lens,
+                            long batch, long kv_heads, long rows, long head_dim, long num_blocks, long block_size,
+                            long table_width, float scale, float* out, float* lse, float* state_m, float* state_l,
+                            int carry_in, int finalize, const long* members, long group, int body, int threads);
+
+/* One layer's operands (decode_loop.py's DecodeLayer mirrors it): weights packed for the GEMM, biases
+ * float32 or NULL, the q/k norm weights NULL where the model has none, the layer's pool and its K and V
+ * row views. */
+typedef struct {
+    const uint16_t *input_norm, *qkv;
+    const float* qkv_bias;
+    const uint16_t *q_norm, *k_norm, *o;
+    const float* o_bias;
+    const uint16_t *post_norm, *gate_up, *down;
+    const void* pool;
+    uint16_t *k_rows, *v_rows;
+} DecodeLayer;
+
+/* One attention call of the step, every argument but the pool (each layer's own) */
+typedef struct {
+    const float* q;
+    const long *tables, *lens;
+    long batch, kv_heads, rows, head_dim, num_blocks, block_size, table_width;
+    float scale;
+    float *out, *lse, *state_m, *state_l;
+    const long* members;
+    long group;
+    int pool_bf16, carry_in, finalize, body;
+} AttentionCall;
+
+/* The step: its kernels, shapes, buffers (rows x width each), attention calls, and the state the calls
+ * start from each layer where they do not write all of it first (fill_*: NULL when they do) */
+typedef struct {
+    NormFn norm;
+    GemmFn gemm;
+    QkFn qk;
+    SiluFn silu;
+    AttentionFn attention;
+    long rows, hidden, q_size, qkv_size, intermediate, heads, kv_heads, head_dim;
+    float eps, qk_eps;
+    uint16_t *residual, *h, *mlp_out, *qkv, *q, *attn, *o, *gate_up, *act;
+    const uint16_t *cos, *sin;
+    const long* slots;
+    float* queries;              /* q widened, [rows, heads, head_dim] */
+    const float* result;         /* the attention output, [rows, heads, head_dim] */
+    float *fill_acc, *fill_m, *fill_l;
+    const AttentionCall* calls;
+    long num_calls;
+    int threads;
+} DecodeStep;
+
+/* bfloat16 -> float32, exact */
+static void widen(const uint16_t* src, float* dst, long n) {
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(src + i)));
+        _mm256_storeu_si256((__m256i*)(dst + i), _mm256_slli_epi32(w, 16));
+    }
+    for (; i < n; i++) {
+        const uint32_t u = (uint32_t)src[i] << 16;
+        memcpy(dst + i, &u, 4);
+    }
+}
+
+static uint16_t narrow1(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return isnan(x) ? 0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+/* float32 -> bfloat16, to nearest even */
+static void narrow(const float* src, uint16_t* dst, long n) {
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(src + i);
+        const __m256i u = _mm256_castps_si256(v);
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+        /* packus works within 128-bit lanes: [a0..a3 a0..a3 | a4..a7 a4..a7] -> a0..a7 in the low half */
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+        _mm_storeu_si128((__m128i*)(dst + i), _mm256_castsi256_si128(packed));
+    }
+    for (; i < n; i++) dst[i] = narrow1(src[i]);
+}
+
+void decode_layers(const DecodeStep* s, const DecodeLayer* layers, long count) {
+    const long n = s->rows, width = s->heads * s->head_dim, state_rows = n * s->heads;
+    for (long i = 0; i < count; i++) {
+        const DecodeLayer* L = layers + i;
+        /* the first layer norms the embedding; the others add the last MLP output into the residual first */
+        s->norm(s->residual, i ? s->mlp_out : NULL, L->input_norm, s->eps, s->h, n, s->hidden, s->threads);
+        s->gemm(s->h, L->qkv, L->qkv_bias, s->qkv, n, s->qkv_size, s->hidden, s->threads);
+        /* the step's K/V rows go straight into the layer's pools */
+        s->qk(s->qkv, s->qkv_size, s->heads, s->kv_heads, s->head_dim, L->q_norm, L->k_norm, s->qk_eps, s->cos, s->sin,
+              s->q, L->k_rows, L->v_rows, s->slots, n, s->threads);
+        widen(s->q, s->queries, n * width);
+        if (s->fill_acc) {
+            memset(s->fill_acc, 0, sizeof(float) * n * width);
+            for (long r = 0; r < state_rows; r++) s->fill_m[r] = -INFINITY;
+            memset(s->fill_l, 0, sizeof(float) * state_rows);
+        }
+        for (long c = 0; c < s->num_calls; c++) {
+            const AttentionCall* a = s->calls + c;
+            s->attention(a->q, L->pool, a->pool_bf16, a->tables, a->lens, a->batch, a->kv_heads, a->rows, a->head_dim,
+                         a->num_blocks, a->block_size, a->table_width, a->scale, a->out, a->lse, a->state_m, a->state_l,
+                         a->carry_in, a->finalize, a->members, a->group, a->body, s->threads);
+        }
+        narrow(s->result, s->attn, n * width);
+        s->gemm(s->attn, L->o, L->o_bias, s->o, n, s->hidden, s->q_size, s->threads);
+        s->norm(s->residual, s->o, L->post_norm, s->eps, s->h, n, s->hidden, s->threads);
+        s->gemm(s->h, L->gate_up, NULL, s->gate_up, n, 2 * s->intermediate, s->hidden, s->threads);
+        s->silu(s->gate_up, s->act, n, s->intermediate, s->threads);
+        s->gemm(s->act, L->down, NULL, s->mlp_out, n, s->hidden, s->intermediate, s->threads);
+    }
+}
+
+/* The two conversions alone, for the load-time check against torch (decode_loop.py) */
+void decode_loop_widen(const uint16_t* src, float* dst, long n) { widen(src, dst, n); }
+void decode_loop_narrow(const float* src, uint16_t* dst, long n) { narrow(src, dst, n); }
