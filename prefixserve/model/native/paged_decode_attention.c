@@ -326,8 +326,7 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                 else if (avx512) scores512(qp, kt, d, s, vis, panels, &ahead);
                 else scores(qp, kt, d, s, vis, panels);
                 /* padding rows are never read where the tiles skip them (the bfloat16 body's, a few rows') */
-                for (long r = 0; r < (few || key_words ? rows : padded); r++)
-                    alpha[r] = softmax_row_in(avx512, s + r * KT, n, round_up(n, 8), m + r, l + r);
+                softmax_rows_in(avx512, s, 0, few || key_words ? rows : padded, &n, 0, round_up(n, 8), m, l, alpha);
                 for (long j = 0; few && j < n; j++) vrow[j] = at[j] + v_offset;
                 if (key_words && few) {
                     probabilities_bf16(s, rows, pw);

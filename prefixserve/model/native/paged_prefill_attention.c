@@ -264,10 +264,11 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
         unsigned short* pw = (unsigned short*)(tile_v + KT * d);      /* a tile's bfloat16 probabilities */
         memset(tile_k, 0, sizeof(float) * KT * d);  /* the slot beside a lone last panel is read, never used */
         long at[KT];
-        long* pos = malloc(sizeof(long) * rows_max * 2);
+        long* pos = malloc(sizeof(long) * rows_max * 3);
         unsigned* qw = key_words ? malloc(sizeof(unsigned) * rows_max * d / 2) : NULL;   /* Q panels in word pairs */
         float* qrows = pool_bf16 && !key_words ? malloc(sizeof(float) * MR * d) : NULL;  /* a panel's rows widened */
         long* vis = pos + rows_max;
+        long* valid = pos + 2 * rows_max;     /* a tile row's keys at or before its position */
 
         /* phase 2: work items */
         #pragma omp for schedule(dynamic, 1)
@@ -345,15 +346,19 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                     scores512(qp, kpan, d, s, vis, panels, &ahead);
                 else
                     scores(qp, kpan, d, s, vis, panels);
-                for (long p = 0; p < panels; p++) {
+                /* the softmax over runs of row panels whose tiles have the same columns */
+                for (long p = 0, p1; p < panels; p = p1) {
+                    p1 = p + 1;
                     if (!vis[p]) continue;
-                    long cols = round_up(vis[p], 8);
+                    const long cols = round_up(vis[p], 8);
+                    while (p1 < panels && vis[p1] && round_up(vis[p1], 8) == cols) p1++;
                     /* the bfloat16 body's tiles skip the padding rows of the last panel */
-                    for (long r = p * MR; r < p * MR + MR && (r < rows || !key_words); r++) {
-                        long valid = pos[r] - k0 + 1;
-                        valid = valid <= 0 ? 0 : valid > KT ? KT : valid;
-                        alpha[r] = softmax_row_in(avx512, s + r * KT, valid, cols, m + r, l + r);
+                    const long r1 = key_words && p1 * MR > rows ? rows : p1 * MR;
+                    for (long r = p * MR; r < r1; r++) {
+                        const long v = pos[r] - k0 + 1;
+                        valid[r] = v <= 0 ? 0 : v > KT ? KT : v;
                     }
+                    softmax_rows_in(avx512, s, p * MR, r1, valid, 1, cols, m, l, alpha);
                 }
                 /* O = alpha O + P V, a slab of V at a time across the row panels */
                 const float* vslab = stream ? tile_v : led ? lead_vr : vr;
