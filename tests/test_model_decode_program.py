@@ -13,14 +13,19 @@ from prefixserve.model.decode_program import DecodeProgram
 from prefixserve.model.native import decode_loop, packed_gemm
 from prefixserve.model.native.build import enabled
 
+pytestmark = pytest.mark.skipif(not enabled() or packed_gemm.default_kernel() is None,
+                                reason="the program runs packed projections: needs AVX-512")
 # the packed kernel also loads on AVX-512 CPUs without avx512_bf16, with its float32 body only
-pytestmark = pytest.mark.skipif(not enabled() or packed_gemm.default_kernel() is None
-                                or torch.bfloat16 not in packed_gemm.default_kernel().dtypes,
-                                reason="the program runs packed bfloat16 projections: needs avx512_bf16")
+PACKED = () if not enabled() or packed_gemm.default_kernel() is None else packed_gemm.default_kernel().dtypes
+DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(getattr(torch, dtype) not in PACKED,
+                                                       reason=f"no packed {dtype} body on this CPU"))
+          for dtype in ("bfloat16", "float32")]
+# the other tests take the dtype the program serves on this CPU
+DTYPE = "bfloat16" if torch.bfloat16 in PACKED else "float32"
 
 
-def _llm(path, **kwargs) -> LLM:
-    return LLM(str(path), dtype="bfloat16", block_size=16, num_kv_blocks=96, max_num_batched_tokens=96, **kwargs)
+def _llm(path, dtype: str = DTYPE, **kwargs) -> LLM:
+    return LLM(str(path), dtype=dtype, block_size=16, num_kv_blocks=96, max_num_batched_tokens=96, **kwargs)
 
 
 def _held_to_the_modules(llm: LLM) -> list[tuple[int, int, bool]]:
@@ -51,12 +56,14 @@ def _prompts(seed: int, shared: int, suffixes: list[int], solo: int = 0) -> list
     return prompts + ([[rng.randrange(10, 8000) for _ in range(solo)]] if solo else [])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
-def test_every_decode_step_gives_the_module_path_bits(tiny_checkpoint, arch: str) -> None:
+def test_every_decode_step_gives_the_module_path_bits(tiny_checkpoint, arch: str, dtype: str) -> None:
     """Sequences sharing a 70-token prefix (a shared run of whole softmax tiles in the native tables, some
     steps with every sequence in a run, others with a solo prompt beside them) and lone prompts; qwen2 adds
-    q/k/v biases, qwen3 q/k norms, llama untied heads and scaled rope."""
-    llm = _llm(tiny_checkpoint(arch))
+    q/k/v biases, qwen3 q/k norms, llama untied heads and scaled rope. In both dtypes the program runs
+    (bfloat16 widens the queries and narrows the attention output between the kernels; float32 does not)."""
+    llm = _llm(tiny_checkpoint(arch), dtype)
     steps = _held_to_the_modules(llm)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in _prompts(1, 70, [3, 9, 20, 1], solo=30)], params)
@@ -82,11 +89,20 @@ def test_outputs_match_a_runner_without_the_program(tiny_checkpoint) -> None:
 
 
 def test_not_built_where_it_does_not_apply(tiny_checkpoint, monkeypatch) -> None:
-    """float32 models (row-major projections), a backend without the native decode kernel and a process
-    without the loop kernel keep the modules."""
-    llm = LLM(str(tiny_checkpoint("qwen3")), dtype="float32", block_size=16, num_kv_blocks=32)
-    assert llm.engine.runner.decode_program is None
+    """A projection left row-major, a backend without the native decode kernel and a process without the
+    loop kernel keep the modules."""
     runner = _llm(tiny_checkpoint("qwen3")).engine.runner
+    # one projection row-major, as a shape the kernel cannot take is left
+    mlp = runner.model.layers[1].mlp
+    packed = mlp.down_proj
+    del mlp.down_proj
+    mlp.down_proj = torch.nn.Parameter(packed.unpacked(), requires_grad=False)
+    try:
+        assert DecodeProgram.build(runner.model, runner.kv_caches) is None
+    finally:
+        del mlp.down_proj
+        mlp.down_proj = packed
+    assert DecodeProgram.build(runner.model, runner.kv_caches) is not None
     with monkeypatch.context() as patch:
         patch.setattr(decode_loop, "default_kernel", lambda: None)
         assert DecodeProgram.build(runner.model, runner.kv_caches) is None

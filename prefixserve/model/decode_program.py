@@ -1,4 +1,4 @@
-"""A decode step of a bfloat16 model as one fixed sequence of native kernel calls.
+"""A decode step of a bfloat16 or float32 model as one fixed sequence of native kernel calls.
 
 A decode step does little arithmetic per layer: at one sequence the weights stream
 in about 0.7 ms a layer, and the module path spent another 0.12 ms a layer in
@@ -52,8 +52,11 @@ class _Buffers:
         self.residual, self.h, self.mlp_out = new(hidden), new(hidden), new(hidden)
         self.qkv = new(qkv)
         self.q = new(heads, head_dim)
-        self.queries = new(kv_heads, heads // kv_heads, head_dim, dtype=torch.float32)
-        self.attn = new(heads * head_dim)
+        # the attention kernel takes float32 queries: a bfloat16 model's widened into a buffer of their own
+        self.queries = (self.q.view(rows, kv_heads, heads // kv_heads, head_dim) if dtype == torch.float32
+                        else new(kv_heads, heads // kv_heads, head_dim, dtype=torch.float32))
+        # the attention output narrowed for o_proj (a float32 model's reads it in place)
+        self.attn = None if dtype == torch.float32 else new(heads * head_dim)
         self.o = new(hidden)
         self.gate_up, self.act = new(2 * intermediate), new(intermediate)
         self.cos, self.sin = new(head_dim // 2), new(head_dim // 2)
@@ -80,10 +83,11 @@ class DecodeProgram:
         self._qk_eps = model.layers[0].self_attn.q_norm.eps if model.layers[0].self_attn.q_norm is not None else 0.0
         self._scale = model.layers[0].self_attn.scale
         self._final_norm = model.norm.weight.data_ptr()
-        self._norm_fn = pointwise.function("add_rms_norm", torch.bfloat16)
-        self._kernels = {"norm": address(self._norm_fn), "gemm": address(gemm.functions[torch.bfloat16]),
-                         "qk": address(pointwise.function("qk_norm_rope", torch.bfloat16)),
-                         "silu": address(pointwise.function("silu_and_mul", torch.bfloat16)),
+        self._dtype = dtype = self._pool.dtype
+        self._norm_fn = pointwise.function("add_rms_norm", dtype)
+        self._kernels = {"norm": address(self._norm_fn), "gemm": address(gemm.functions[dtype]),
+                         "qk": address(pointwise.function("qk_norm_rope", dtype)),
+                         "silu": address(pointwise.function("silu_and_mul", dtype)),
                          "attention": address(attention.function)}
         self._attention = attention
         self._loop = loop
@@ -91,9 +95,9 @@ class DecodeProgram:
 
     @staticmethod
     def build(model, kv_caches: list[torch.Tensor]) -> "DecodeProgram | None":
-        """The program for `model` over `kv_caches`, or None where it does not apply: a model not in
-        bfloat16 on the CPU with every projection packed, its head dim not whole 16-element rows, pools
-        not all one contiguous shape, or a kernel it calls not loaded."""
+        """The program for `model` over `kv_caches`, or None where it does not apply: a model not on the
+        CPU with every projection packed (bfloat16 or float32, pools and weights all in that dtype), its head
+        dim not whole 16-element rows, pools not all one contiguous shape, or a kernel it calls not loaded."""
         backend = model.attention_backend
         pointwise, gemm, loop = fused_pointwise.default_kernel(), packed_gemm.default_kernel(), decode_loop.default_kernel()
         attention = backend.decode_kernel if isinstance(backend, TorchPagedAttention) else None
@@ -102,15 +106,16 @@ class DecodeProgram:
                 or config.hidden_size % 8 or config.intermediate_size % 16 or len(kv_caches) != len(model.layers)):
             return None
         pool = kv_caches[0]
-        if any(c.shape != pool.shape or c.dtype != torch.bfloat16 or not c.is_contiguous() or not c.is_cpu
-               for c in kv_caches):
+        dtype = pool.dtype
+        if dtype not in gemm.functions or any(c.shape != pool.shape or c.dtype != dtype or not c.is_contiguous()
+                                              or not c.is_cpu for c in kv_caches):
             return None
         weights = (model.norm.weight,)
         layers = []
         for layer, cache in zip(model.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
             projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(w, PackedWeight) for w in projections):
+            if not all(isinstance(w, PackedWeight) and w.dtype == dtype for w in projections):
                 return None
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             qk = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
@@ -122,7 +127,7 @@ class DecodeProgram:
                 attn.o_proj.panels.data_ptr(), _ptr(biases[1]), norms[1].data_ptr(), mlp.gate_up_proj.panels.data_ptr(),
                 mlp.down_proj.panels.data_ptr(), cache.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr()),
                 biases, k_pool, v_pool))
-        if any(w.dtype != torch.bfloat16 or not w.is_contiguous() or not w.is_cpu for w in weights):
+        if any(w.dtype != dtype or not w.is_contiguous() or not w.is_cpu for w in weights):
             return None
         return DecodeProgram(model, kv_caches, layers, pointwise, gemm, attention, loop)
 
@@ -138,7 +143,7 @@ class DecodeProgram:
         if buffers is None or buffers.rows < n:
             rows = max(n, 2 * buffers.rows if buffers is not None else 16)
             buffers = self._buffers = _Buffers(rows, self._hidden, self._qkv_size, self._heads, self._kv_heads,
-                                               self._head_dim, self._intermediate, torch.bfloat16)
+                                               self._head_dim, self._intermediate, self._dtype)
         return buffers
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: TorchPagedMetadata) -> torch.Tensor:
@@ -152,7 +157,7 @@ class DecodeProgram:
         half = self._head_dim // 2
         b = self._views(n)
         residual, h, mlp_out, qkv = b.residual[:n], b.h[:n], b.mlp_out[:n], b.qkv[:n]
-        q, queries, attn, o = b.q[:n], b.queries[:n], b.attn[:n], b.o[:n]
+        q, queries, o = b.q[:n], b.queries[:n], b.o[:n]
         gate_up, act = b.gate_up[:n], b.act[:n]
         residual.copy_(x)
         b.cos[:n].copy_(cos.reshape(n, half))
@@ -160,7 +165,7 @@ class DecodeProgram:
         slots = meta.common.slot_mapping
         first = self._layers[0]
         # layer 0's pools stand for every layer's (one shape, checked at build): qk_norm_rope writes there
-        check_slots(first.k_pool, first.v_pool, slots, n, (self._kv_heads, self._head_dim), torch.bfloat16)
+        check_slots(first.k_pool, first.v_pool, slots, n, (self._kv_heads, self._head_dim), self._dtype)
 
         # the attention calls of this step, checked once on layer 0's pool; the loop swaps in each layer's
         plan, tables = meta.decode, meta.native
@@ -180,14 +185,16 @@ class DecodeProgram:
             **self._kernels, rows=n, hidden=self._hidden, q_size=self._q_size, qkv_size=self._qkv_size,
             intermediate=self._intermediate, heads=self._heads, kv_heads=self._kv_heads, head_dim=self._head_dim,
             eps=self._eps, qk_eps=self._qk_eps, residual=residual.data_ptr(), h=h.data_ptr(),
-            mlp_out=mlp_out.data_ptr(), qkv=qkv.data_ptr(), q=q.data_ptr(), attn=attn.data_ptr(), o=o.data_ptr(),
+            mlp_out=mlp_out.data_ptr(), qkv=qkv.data_ptr(), q=q.data_ptr(), o=o.data_ptr(),
+            # float32: o_proj reads the attention output where the kernel left it
+            attn=written.acc.data_ptr() if b.attn is None else b.attn.data_ptr(),
             gate_up=gate_up.data_ptr(), act=act.data_ptr(), cos=b.cos.data_ptr(), sin=b.sin.data_ptr(),
             slots=slots.data_ptr(), queries=queries.data_ptr(), result=written.acc.data_ptr(),
             fill_acc=0 if fill is None else fill.acc.data_ptr(), fill_m=0 if fill is None else fill.m.data_ptr(),
             fill_l=0 if fill is None else fill.l.data_ptr(),
             calls=ctypes.addressof(call_array), num_calls=len(calls), threads=torch.get_num_threads())
         self._loop.run(step, self._operands)
-        out = torch.empty(n, self._hidden, dtype=torch.bfloat16)
+        out = torch.empty(n, self._hidden, dtype=self._dtype)
         self._norm_fn(residual.data_ptr(), mlp_out.data_ptr(), self._final_norm, self._eps, out.data_ptr(), n,
                       self._hidden, step.threads)
         return out

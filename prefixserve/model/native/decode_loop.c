@@ -1,5 +1,5 @@
-/* The layer loop of a bfloat16 decode step (model/decode_program.py): every layer's kernel calls, one
- * after the other, from C.
+/* The layer loop of a bfloat16 or float32 decode step (model/decode_program.py): every layer's kernel
+ * calls, one after the other, from C.
  *
  * The program used to make these calls from Python: nine ctypes calls and two torch copies a layer,
  * their arguments laid out once a step. At 16 sequences of the 0.6B model that was still ~2 ms of a
@@ -31,6 +31,9 @@ typedef void (*AttentionFn)(const float* q, const void* pool, int pool_bf16, con
                             long batch, long kv_heads, long rows, long head_dim, long num_blocks, long block_size,
                             long table_width, float scale, float* out, float* lse, float* state_m, float* state_l,
                             int carry_in, int finalize, const long* members, long group, int body, int threads);
+
+/* Pointers to model data are uint16_t for bfloat16; a float32 model's are passed as they are (the kernels
+ * reached through them are the float32 ones), and the two copies below are skipped. */
 
 /* One layer's operands (decode_loop.py's DecodeLayer mirrors it): weights packed for the GEMM, biases
  * float32 or NULL, the q/k norm weights NULL where the model has none, the layer's pool and its K and V
@@ -70,8 +73,8 @@ typedef struct {
     uint16_t *residual, *h, *mlp_out, *qkv, *q, *attn, *o, *gate_up, *act;
     const uint16_t *cos, *sin;
     const long* slots;
-    float* queries;              /* q widened, [rows, heads, head_dim] */
-    const float* result;         /* the attention output, [rows, heads, head_dim] */
+    float* queries;              /* q widened, [rows, heads, head_dim] (float32: q itself) */
+    const float* result;         /* the attention output, [rows, heads, head_dim] (float32: attn itself) */
     float *fill_acc, *fill_m, *fill_l;
     const AttentionCall* calls;
     long num_calls;
@@ -123,7 +126,7 @@ void decode_layers(const DecodeStep* s, const DecodeLayer* layers, long count) {
         /* the step's K/V rows go straight into the layer's pools */
         s->qk(s->qkv, s->qkv_size, s->heads, s->kv_heads, s->head_dim, L->q_norm, L->k_norm, s->qk_eps, s->cos, s->sin,
               s->q, L->k_rows, L->v_rows, s->slots, n, s->threads);
-        widen(s->q, s->queries, n * width);
+        if ((void*)s->queries != (void*)s->q) widen(s->q, s->queries, n * width);
         if (s->fill_acc) {
             memset(s->fill_acc, 0, sizeof(float) * n * width);
             for (long r = 0; r < state_rows; r++) s->fill_m[r] = -INFINITY;
@@ -135,7 +138,7 @@ void decode_layers(const DecodeStep* s, const DecodeLayer* layers, long count) {
                          a->num_blocks, a->block_size, a->table_width, a->scale, a->out, a->lse, a->state_m, a->state_l,
                          a->carry_in, a->finalize, a->members, a->group, a->body, s->threads);
         }
-        narrow(s->result, s->attn, n * width);
+        if ((const void*)s->result != (void*)s->attn) narrow(s->result, s->attn, n * width);
         s->gemm(s->attn, L->o, L->o_bias, s->o, n, s->hidden, s->q_size, s->threads);
         s->norm(s->residual, s->o, L->post_norm, s->eps, s->h, n, s->hidden, s->threads);
         s->gemm(s->h, L->gate_up, NULL, s->gate_up, n, 2 * s->intermediate, s->hidden, s->threads);
