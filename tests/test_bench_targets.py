@@ -101,6 +101,10 @@ def test_best_limits_are_the_highest_readings_anywhere_in_the_run() -> None:
         assert (res.best_limits().matmul_flops, res.best_limits().bandwidth_bytes) == (4e9, 3e9)
         assert decode_bounds(res, res.limits_around)["long-doc-qa"] == _bound_at(res, best)  # nothing read around
         assert to_json(res)["workloads"]["long-doc-qa"]["ideal_seconds"] == ideal_workload_seconds(w, res.cost, best)
+    # the readings next to the batched decode's steps and around a workload's run count too
+    res = _results((1e9, 1e9), (1e9, 1e9), around=(1e9, 5e9))
+    res.roofline["batched_decode"] = {"matmul_flops": 6e9, "bandwidth_bytes": 2e9, "ratio": 1.0}
+    assert (res.best_limits().matmul_flops, res.best_limits().bandwidth_bytes) == (6e9, 5e9)
 
 
 def test_long_doc_qa_targets_are_judged_at_the_limits_read_around_its_run() -> None:

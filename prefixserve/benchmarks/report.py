@@ -89,8 +89,8 @@ def to_markdown(res: BenchResults) -> str:
     lines.append(f"| memory bandwidth (sum over {'256 MiB' if c.quick else '1 GiB'}), at the start | "
                  f"{lim.bandwidth_bytes / 1e9:.1f} GB/s |")
     best = res.best_limits()
-    lines.append(f"| best of the readings at the start and around the single-request rounds, which the workloads' ideal "
-                 "times below are set against "
+    lines.append(f"| best of every reading in the run (at the start, around the single-request rounds, the batched-decode "
+                 "steps' median, around prefixserve's long-doc-qa runs), which the workloads' ideal times below are set against "
                  f"| {best.matmul_flops / 1e9:.1f} GFLOP/s, {best.bandwidth_bytes / 1e9:.1f} GB/s |")
     if any("limits_around" in r.extra for r in res.runs if r.workload == "long-doc-qa"):
         around = res.limits_around("long-doc-qa")

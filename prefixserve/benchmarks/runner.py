@@ -90,16 +90,21 @@ class BenchResults:
 
     def best_limits(self) -> MachineLimits:
         """The limits the workloads' ideal times are set against: the highest matmul rate and bandwidth of
-        the readings at the run's start and around the single-request rounds (the prefill's peaks, the
-        batch-1 decode's median paired bandwidth). On a shared machine one reading can come out low (81
-        against 155 GFLOP/s within one run on a 2-core EPYC); the best of several only makes a ratio stricter.
-        The targets judged against the limits use readings taken next to what they time instead."""
-        flops, bandwidth = self.limits.matmul_flops, self.limits.bandwidth_bytes
+        every reading the run took: at its start, around the single-request rounds (the prefill's peaks,
+        the batch-1 decode's median paired bandwidth), the batched decode's median paired readings, and
+        those around each of prefixserve's workload runs. On a shared machine one reading can come out low
+        (81 against 155 GFLOP/s within one run on a 2-core EPYC); the best of all only makes a ratio
+        stricter. The targets judged against the limits use readings taken next to what they time instead."""
+        flops, bandwidth = [self.limits.matmul_flops], [self.limits.bandwidth_bytes]
         if "prefill" in self.roofline:
-            flops = max(flops, self.roofline["prefill"]["matmul_flops"])
+            flops.append(self.roofline["prefill"]["matmul_flops"])
         if "decode_b1" in self.roofline:
-            bandwidth = max(bandwidth, self.roofline["decode_b1"]["bandwidth_bytes"])
-        return replace(self.limits, matmul_flops=flops, bandwidth_bytes=bandwidth)
+            bandwidth.append(self.roofline["decode_b1"]["bandwidth_bytes"])
+        batched = self.roofline.get("batched_decode", {})
+        for readings in [batched] + [run.extra.get("limits_around") or {} for run in self.runs]:
+            flops.append(readings.get("matmul_flops", 0.0))
+            bandwidth.append(readings.get("bandwidth_bytes", 0.0))
+        return replace(self.limits, matmul_flops=max(flops), bandwidth_bytes=max(bandwidth))
 
 
 def machine_info(threads: int) -> dict:
