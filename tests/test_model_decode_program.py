@@ -89,8 +89,8 @@ def test_outputs_match_a_runner_without_the_program(tiny_checkpoint) -> None:
 
 
 def test_not_built_where_it_does_not_apply(tiny_checkpoint, monkeypatch) -> None:
-    """A projection left row-major, a backend without the native decode kernel and a process without the
-    loop kernel keep the modules."""
+    """A projection left row-major, a backend other than the torch one, one without the native decode
+    kernel and a process without the loop kernel keep the modules."""
     runner = _llm(tiny_checkpoint("qwen3")).engine.runner
     # one projection row-major, as a shape the kernel cannot take is left
     mlp = runner.model.layers[1].mlp
@@ -105,6 +105,11 @@ def test_not_built_where_it_does_not_apply(tiny_checkpoint, monkeypatch) -> None
     assert DecodeProgram.build(runner.model, runner.kv_caches) is not None
     with monkeypatch.context() as patch:
         patch.setattr(decode_loop, "default_kernel", lambda: None)
+        assert DecodeProgram.build(runner.model, runner.kv_caches) is None
+    # a backend deriving from the torch one may attend otherwise in its forward, which the program skips
+    backend = runner.model.attention_backend
+    with monkeypatch.context() as patch:
+        patch.setattr(backend, "__class__", type("Derived", (type(backend),), {}))
         assert DecodeProgram.build(runner.model, runner.kv_caches) is None
     monkeypatch.setattr(runner.model.attention_backend, "_decode_kernel", None)
     assert DecodeProgram.build(runner.model, runner.kv_caches) is None

@@ -97,10 +97,12 @@ class DecodeProgram:
     def build(model, kv_caches: list[torch.Tensor]) -> "DecodeProgram | None":
         """The program for `model` over `kv_caches`, or None where it does not apply: a model not on the
         CPU with every projection packed (bfloat16 or float32, pools and weights all in that dtype), its head
-        dim not whole 16-element rows, pools not all one contiguous shape, or a kernel it calls not loaded."""
+        dim not whole 16-element rows, pools not all one contiguous shape, attention not through the torch
+        backend itself, or a kernel it calls not loaded."""
         backend = model.attention_backend
         pointwise, gemm, loop = fused_pointwise.default_kernel(), packed_gemm.default_kernel(), decode_loop.default_kernel()
-        attention = backend.decode_kernel if isinstance(backend, TorchPagedAttention) else None
+        # the torch backend itself: a subclass may attend otherwise in forward, which the program would skip
+        attention = backend.decode_kernel if type(backend) is TorchPagedAttention else None
         config = model.config
         if (pointwise is None or gemm is None or attention is None or loop is None or config.head_dim % 16
                 or config.hidden_size % 8 or config.intermediate_size % 16 or len(kv_caches) != len(model.layers)):
