@@ -9,11 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixserve.model.native import decode_loop
-from prefixserve.model.native.build import enabled
+from native_kernel_build import build_fresh
+from prefixserve.model.native.decode_loop import DecodeLoop, load
 
-pytestmark = pytest.mark.skipif(not enabled() or decode_loop.default_kernel() is None,
-                                reason="the loop kernel needs a C compiler and AVX2")
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory) -> DecodeLoop:
+    return build_fresh(load, tmp_path_factory)
+
 
 # every kind of float32: halfway cases for bfloat16 (ties to even both ways), the largest values, the
 # smallest normal and subnormals, infinities, signed zeros
@@ -23,14 +26,13 @@ SPECIAL = [1.00390625, 1.01171875, -1.00390625, 3.3895313892515355e38, -3.39e38,
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=70))
-def test_narrowing_rounds_as_torch(values: list[float]) -> None:
+def test_narrowing_rounds_as_torch(kernel, values: list[float]) -> None:
     x = torch.tensor(values + SPECIAL, dtype=torch.float32)
-    got = decode_loop.default_kernel().narrow(x)
+    got = kernel.narrow(x)
     assert torch.equal(got.view(torch.int16), x.bfloat16().view(torch.int16))
 
 
-def test_narrowing_a_nan_gives_a_nan_and_widening_is_exact() -> None:
-    kernel = decode_loop.default_kernel()
+def test_narrowing_a_nan_gives_a_nan_and_widening_is_exact(kernel) -> None:
     x = torch.randn(4099, generator=torch.Generator().manual_seed(3)) * 1e3
     x[[0, 17, 4098]] = float("nan")
     narrowed = kernel.narrow(x)

@@ -203,7 +203,7 @@ AVX512_TARGET static ALWAYS_INLINE void tile_pv512(float* o, long ldo, const flo
 
 /* One row of a tile: scores s[0..valid) (log2 domain) update the running max m and sum l, become
  * probabilities, and s[valid..cols) become 0; returns the factor the row's output must be scaled by.
- * The row's sum runs in the order softmax_row512 runs it: blocks of 8 in two accumulators, alternately
+ * The row's sum runs in the order softmax_rows_of512 runs it: blocks of 8 in two accumulators, alternately
  * (one 16-lane accumulator's halves), added before the lane sum, so both bodies give the same bits. */
 static inline float softmax_row(float* s, long valid, long cols, float* m, float* l) {
     if (valid <= 0) {
@@ -231,45 +231,18 @@ static inline float softmax_row(float* s, long valid, long cols, float* m, float
     return alpha;
 }
 
-/* softmax_row in 16 lanes (cols a multiple of 8): half the instructions of the exponentials, which were
- * a third of prefill attention's time outside its products (Zen 5 EPYC) */
-AVX512_TARGET static ALWAYS_INLINE float softmax_row512(float* s, long valid, long cols, float* m, float* l) {
-    if (valid <= 0) {
-        for (long j = 0; j < cols; j += 16)
-            _mm512_mask_storeu_ps(s + j, (__mmask16)(cols - j >= 16 ? 0xFFFF : 0xFF), _mm512_setzero_ps());
-        return 1.0f;
-    }
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (long j = 0; j < valid; j += 16) {
-        const __mmask16 in = valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (valid - j)) - 1);
-        top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), in, s + j));
-    }
-    float m_new = _mm512_reduce_max_ps(top);
-    if (*m > m_new) m_new = *m;
-    float alpha = exp2f(*m - m_new);
-    __m512 mx = _mm512_set1_ps(m_new), sum = _mm512_setzero_ps();
-    for (long j = 0; j < cols; j += 16) {
-        const __mmask16 stored = cols - j >= 16 ? 0xFFFF : 0xFF;
-        const __mmask16 in = valid - j >= 16 ? 0xFFFF : valid <= j ? 0 : (__mmask16)((1u << (valid - j)) - 1);
-        __m512 e = _mm512_maskz_mov_ps(in, exp2_512(_mm512_sub_ps(_mm512_maskz_loadu_ps(stored, s + j), mx)));
-        sum = _mm512_add_ps(sum, e);
-        _mm512_mask_storeu_ps(s + j, stored, e);
-    }
-    *l = *l * alpha + hsum(_mm256_add_ps(_mm512_castps512_ps256(sum), _mm512_extractf32x8_ps(sum, 1)));
-    *m = m_new;
-    return alpha;
-}
-
-/* softmax_row512 over SOFTMAX_GROUP rows (KT apart) with the same valid > 0 keys, each step of every row
- * before the next step: a row's steps wait on one another (its maximum, that maximum's lane reduction,
- * the new running maximum, the exponentials, their lane sum), and taken a row at a time they left the
- * core waiting. Every row runs the single row's operations in its order, so the same bits. 32 rows stacked
- * over 1024 keys, decode, K/V in cache (2-core Zen 5 EPYC): the softmax 56 -> 36 us a layer of ~380. */
+/* softmax_row in 16 lanes (cols a multiple of 8) over G rows (KT apart) with the same valid > 0 keys, each
+ * step of every row before the next step: 16 lanes take half the instructions of the exponentials, which
+ * were a third of prefill attention's time outside its products; and a row's steps wait on one another
+ * (its maximum, that maximum's lane reduction, the new running maximum, the exponentials, their lane sum),
+ * so taken a row at a time they left the core waiting. Every row runs the same operations in the same
+ * order whatever G, so the same bits. 32 rows stacked over 1024 keys, decode, K/V in cache (2-core Zen 5
+ * EPYC): G = 4 took the softmax from 56 to 36 us a layer of ~380. */
 #define SOFTMAX_GROUP 4
-AVX512_TARGET static void softmax_group512(float* s, long valid, long cols, float* m, float* l, float* alpha) {
-    enum { G = SOFTMAX_GROUP };
-    __m512 top[G], sum[G];
-    float m_new[G];
+AVX512_TARGET static ALWAYS_INLINE void softmax_rows_of512(float* s, long valid, long cols, float* m, float* l,
+                                                           float* alpha, const int G) {
+    __m512 top[SOFTMAX_GROUP], sum[SOFTMAX_GROUP];
+    float m_new[SOFTMAX_GROUP];
     for (int g = 0; g < G; g++) top[g] = _mm512_set1_ps(-INFINITY);
     for (long j = 0; j < valid; j += 16) {
         const __mmask16 in = valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (valid - j)) - 1);
@@ -299,7 +272,7 @@ AVX512_TARGET static void softmax_group512(float* s, long valid, long cols, floa
 }
 
 /* rows [r0, r1) of a tile (s, m, l and alpha indexed by row), row r seeing valid[r * vstride] keys:
- * runs of SOFTMAX_GROUP rows with the same valid > 0 keys go together */
+ * runs of SOFTMAX_GROUP rows with the same valid > 0 keys go together, others one at a time */
 AVX512_TARGET static void softmax_rows512(float* s, long r0, long r1, const long* valid, long vstride, long cols,
                                           float* m, float* l, float* alpha) {
     for (long r = r0; r < r1;) {
@@ -307,11 +280,15 @@ AVX512_TARGET static void softmax_rows512(float* s, long r0, long r1, const long
         int same = r + SOFTMAX_GROUP <= r1 && v > 0;
         for (long g = 1; same && g < SOFTMAX_GROUP; g++) same = valid[(r + g) * vstride] == v;
         if (same) {
-            softmax_group512(s + r * KT, v, cols, m + r, l + r, alpha + r);
+            softmax_rows_of512(s + r * KT, v, cols, m + r, l + r, alpha + r, SOFTMAX_GROUP);
             r += SOFTMAX_GROUP;
-        } else {
-            alpha[r] = softmax_row512(s + r * KT, v, cols, m + r, l + r);
+        } else if (v > 0) {
+            softmax_rows_of512(s + r * KT, v, cols, m + r, l + r, alpha + r, 1);
             r++;
+        } else {          /* a row seeing none of the tile's keys: zeros, its state unchanged */
+            for (long j = 0; j < cols; j += 16)
+                _mm512_mask_storeu_ps(s + r * KT + j, (__mmask16)(cols - j >= 16 ? 0xFFFF : 0xFF), _mm512_setzero_ps());
+            alpha[r++] = 1.0f;
         }
     }
 }

@@ -19,6 +19,8 @@
 #include <string.h>
 #include <math.h>
 
+#include "simd.h"
+
 typedef void (*NormFn)(uint16_t* residual, const uint16_t* delta, const uint16_t* weight, float eps, uint16_t* out,
                        long rows, long n, int threads);
 typedef void (*GemmFn)(const uint16_t* x, const uint16_t* wp, const float* bias, uint16_t* y, long m, long n, long k,
@@ -94,26 +96,20 @@ static void widen(const uint16_t* src, float* dst, long n) {
     }
 }
 
-static uint16_t narrow1(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return isnan(x) ? 0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
-/* float32 -> bfloat16, to nearest even */
+/* float32 -> bfloat16, to nearest even as torch rounds (simd.h's store_bf16), a NaN to the quiet NaN
+ * (0x7FC00000 rounds to 0x7FC0; a NaN's own bits could carry into the sign) */
 static void narrow(const float* src, uint16_t* dst, long n) {
+    const __m256 quiet = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
     long i = 0;
     for (; i + 8 <= n; i += 8) {
         const __m256 v = _mm256_loadu_ps(src + i);
-        const __m256i u = _mm256_castps_si256(v);
-        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
-        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-        /* packus works within 128-bit lanes: [a0..a3 a0..a3 | a4..a7 a4..a7] -> a0..a7 in the low half */
-        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-        _mm_storeu_si128((__m128i*)(dst + i), _mm256_castsi256_si128(packed));
+        store_bf16(dst + i, _mm256_blendv_ps(v, quiet, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
     }
-    for (; i < n; i++) dst[i] = narrow1(src[i]);
+    for (; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, src + i, 4);
+        dst[i] = isnan(src[i]) ? 0x7FC0 : (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+    }
 }
 
 void decode_layers(const DecodeStep* s, const DecodeLayer* layers, long count) {
