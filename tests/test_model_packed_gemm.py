@@ -73,7 +73,8 @@ def test_a_rows_bits_do_not_depend_on_the_batch_on_the_models_shapes(dtype: torc
         w = PackedWeight((torch.randn(n, k, generator=gen) * 0.05).to(dtype))
         rows = torch.randn(700, k, generator=gen).to(dtype)
         alone = torch.cat([linear(rows[r:r + 1], w) for r in (0, 5, 6, 7, 699)])
-        for m in (2, 6, 7, 24, 25, 47, 64, 65, 130, 700):   # 24 rows and fewer take k in chunks
+        # 24 rows and fewer take k in chunks, 18 and fewer smaller ones
+        for m in (2, 6, 7, 18, 19, 24, 25, 47, 64, 65, 130, 700):
             batch = linear(rows[:m], w)
             assert torch.equal(batch[:1], alone[:1]), (k, n, m)
             picked = [i for i, r in enumerate((0, 5, 6, 7, 699)) if r < m]

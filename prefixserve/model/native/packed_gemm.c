@@ -60,13 +60,21 @@ AVX512_TARGET static ALWAYS_INLINE void store_f32x16(float* y, __mmask16 mask, _
 }
 
 /* A few rows (a decode step's) take the panel CHUNK steps of k at a time, every row group over one chunk
- * before the next, their sums kept in a buffer between chunks: the chunk (16 KB) is read from memory by
- * the first group and from L1 by the others, and the next chunk is requested while they run, so weights
- * stream at an even pace instead of stopping while the later groups re-read a whole panel from L2
+ * before the next, their sums kept in a buffer between chunks: the chunk (16 KB in either dtype) is read from
+ * memory by the first group and from L1 by the others, and the next chunk is requested while they run, so
+ * weights stream at an even pace instead of stopping while the later groups re-read a whole panel from L2
  * (over the 0.6B model's projections + LM head, streamed, 2-core Zen 5 EPYC: bfloat16 16 rows 1.08-1.14x,
- * 8 rows 1.25x; float32 16 rows 1.16x; 32-64 rows no faster, so more rows keep whole panels). */
+ * 8 rows 1.25x; float32 16 rows 1.16x; 32-64 rows no faster, so more rows keep whole panels).
+ * With at most L2_GROUPS row groups (up to 18 rows) the next chunk is requested into L2, not L1, and the
+ * chunks are L2_CHUNK steps (8 KB): into L1 (32 KB on Zen 4) the requests pushed out the
+ * chunk the later groups still read and queued behind L1's few miss buffers. With four groups each chunk
+ * takes long enough that L1 requests arrive in time and the later groups find the chunk in L1, which the
+ * compute-bound passes need (Zen 4 EPYC, 2 cores, bfloat16, streamed, in one run: 16 rows 1.10-1.15x,
+ * 12 rows 1.35x, 8 rows 1.3-1.5x; 24 rows 0.91-0.93x with the L2 requests, so four groups keep L1's). */
 #define CHUNK 64
 #define CHUNKED_ROWS 24
+#define L2_CHUNK 32
+#define L2_GROUPS 3
 
 /* Defines chunk##S, finish##S and the exported packed_gemm##S for element type T, STEP elements of k a step.
  *
@@ -84,13 +92,15 @@ AVX512_TARGET static ALWAYS_INLINE void store_f32x16(float* y, __mmask16 mask, _
  * 512 rows, blocking the rows to keep x in L2 measured no faster). */
 #define PACKED_GEMM(S, TARGET, T, STEP)                                                                   \
 TARGET static ALWAYS_INLINE void chunk##S(const T* x, size_t k, const T* panel, long p0, long p1,          \
-                                          __m512* sums, const int rows, const char* ahead, long lines) {   \
+                                          __m512* sums, const int rows, const char* ahead, long lines,     \
+                                          const int to_l2) {                                               \
     __m512 acc[MR][VECS];                                                                                   \
     for (int j = 0; j < rows; j++)                                                                          \
         for (int v = 0; v < VECS; v++) acc[j][v] = p0 ? sums[j * VECS + v] : _mm512_setzero_ps();          \
     long line = 0, owed = 0;                                                                                \
     for (long p = p0; p < p1; p++) {                                                                        \
-        if (ahead) request_share(ahead, lines, p1 - p0, &line, &owed);                                      \
+        if (ahead && to_l2) request_share(ahead, lines, p1 - p0, &line, &owed, _MM_HINT_T1);                \
+        else if (ahead) request_share(ahead, lines, p1 - p0, &line, &owed, _MM_HINT_T0);                    \
         const T* wq = panel + (size_t)p * STEP * PANEL;                                                     \
         __m512i w[VECS];                                                                                    \
         for (int v = 0; v < VECS; v++) w[v] = _mm512_loadu_si512(wq + 16 * STEP * v);                      \
@@ -108,7 +118,7 @@ TARGET static ALWAYS_INLINE void finish##S(const __m512* sums, const float* bias
     for (int j = 0; j < rows; j++)                                                                          \
         for (int v = 0; v < VECS && 16 * v < cols; v++) {                                                   \
             const int c = 16 * v;                                                                           \
-            const __mmask16 mask = cols - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cols - c)) - 1); \
+            const __mmask16 mask = cols - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cols - c)) - 1);\
             __m512 s = sums[j * VECS + v];                                                                  \
             if (bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(mask, bias + c));                         \
             store##S##x16(y + j * n + c, mask, s);                                                          \
@@ -119,7 +129,8 @@ TARGET void packed_gemm##S(const T* x, const T* wp, const float* bias, T* y, lon
                            int threads) {                                                                   \
     const long panels = (n + PANEL - 1) / PANEL, groups = (m + MR - 1) / MR;                                \
     const size_t panel_elems = (size_t)k * PANEL;                                                           \
-    const long steps = (long)(k / STEP), chunk = m <= CHUNKED_ROWS ? CHUNK : steps;                         \
+    const int to_l2 = groups <= L2_GROUPS;                                                                  \
+    const long steps = (long)(k / STEP), chunk = m > CHUNKED_ROWS ? steps : to_l2 ? L2_CHUNK : CHUNK;       \
     const long step_lines = (long)(STEP * PANEL * sizeof(T) / 64);                                          \
     _Pragma("omp parallel num_threads(threads)")                                                            \
     {                                                                                                       \
@@ -150,12 +161,12 @@ TARGET void packed_gemm##S(const T* x, const T* wp, const float* bias, T* y, lon
                     const char* ahead = next ? next + 64 * first : NULL;                                    \
                     __m512* gs = sums + (chunk < steps ? g : 0) * MR * VECS;                                \
                     switch (rows) {                                                                         \
-                        case 6: chunk##S(xr, (size_t)k, panel, p0, p1, gs, 6, ahead, lines); break;         \
-                        case 5: chunk##S(xr, (size_t)k, panel, p0, p1, gs, 5, ahead, lines); break;         \
-                        case 4: chunk##S(xr, (size_t)k, panel, p0, p1, gs, 4, ahead, lines); break;         \
-                        case 3: chunk##S(xr, (size_t)k, panel, p0, p1, gs, 3, ahead, lines); break;         \
-                        case 2: chunk##S(xr, (size_t)k, panel, p0, p1, gs, 2, ahead, lines); break;         \
-                        default: chunk##S(xr, (size_t)k, panel, p0, p1, gs, 1, ahead, lines); break;        \
+                        case 6: chunk##S(xr, (size_t)k, panel, p0, p1, gs, 6, ahead, lines, to_l2); break;    \
+                        case 5: chunk##S(xr, (size_t)k, panel, p0, p1, gs, 5, ahead, lines, to_l2); break;    \
+                        case 4: chunk##S(xr, (size_t)k, panel, p0, p1, gs, 4, ahead, lines, to_l2); break;    \
+                        case 3: chunk##S(xr, (size_t)k, panel, p0, p1, gs, 3, ahead, lines, to_l2); break;    \
+                        case 2: chunk##S(xr, (size_t)k, panel, p0, p1, gs, 2, ahead, lines, to_l2); break;    \
+                        default: chunk##S(xr, (size_t)k, panel, p0, p1, gs, 1, ahead, lines, to_l2); break;   \
                     }                                                                                       \
                     if (p1 == steps)                                                                        \
                         finish##S(gs, bias ? bias + b * PANEL : NULL, y + r * n + b * PANEL, (size_t)n, cols, rows); \

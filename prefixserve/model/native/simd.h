@@ -18,11 +18,13 @@
 #define IN_REGISTER(v) __asm__("" : "+x"(v))
 
 /* One step's share of `lines` cache lines (from `ahead`) spread evenly over `steps` steps: requests the
- * lines owed by this step, counted exactly in integers (`owed` starts at 0, `line` at the first line), so
- * `steps` calls request all of them. Lets a GEMM pass stream the next weight tile while it computes on
- * this one from cache, instead of leaving memory idle and then stalling on the next tile. */
-static ALWAYS_INLINE void request_share(const char* ahead, long lines, long steps, long* line, long* owed) {
-    for (*owed += lines; *owed >= steps; *owed -= steps) _mm_prefetch(ahead + 64 * (*line)++, _MM_HINT_T0);
+ * lines owed by this step into the cache level `hint` names, counted exactly in integers (`owed` starts at
+ * 0, `line` at the first line), so `steps` calls request all of them. Lets a GEMM pass stream the next
+ * weight tile while it computes on this one from cache, instead of leaving memory idle and then stalling
+ * on the next tile. */
+static ALWAYS_INLINE void request_share(const char* ahead, long lines, long steps, long* line, long* owed,
+                                        const int hint) {
+    for (*owed += lines; *owed >= steps; *owed -= steps) _mm_prefetch(ahead + 64 * (*line)++, hint);
 }
 
 /* [sum a0, sum a1, sum a2, sum a3]: interleaving pairs and adding halves costs a third of four
