@@ -362,7 +362,12 @@ static inline void gather_transposed_pool(const void* pool, int bf16, const long
  * 1.17-1.30x, 32 rows stacked over 1024 keys 1.11-1.20x; a streamed prefill chunk of 16-32 tokens over
  * 1024-2048 cached 1.07-1.20x. Each key looks its block up on its own: walking a block's slots with one
  * lookup per block issued the requests faster than the memory took them (0.89-0.94x). All: bfloat16
- * pool, Zen 5 EPYC, 2 threads. */
+ * pool, Zen 5 EPYC, 2 threads.
+ * Decode asks for them into L2 (`to_l2`): into L1 (32 KB on Zen 4) a tile's K and V rows (32 KB at 64
+ * keys of a 128-dim bfloat16 head) pushed out the tile being computed (Zen 4 EPYC, 2 threads, bfloat16,
+ * the decode program's layers with the two builds alternating every step, 16 sequences over a shared
+ * 1024-token run: 1.03-1.06x). Prefill reuses each tile over many query panels and keeps L1: L2 measured
+ * no faster there. */
 typedef struct {
     const char* pool;
     const long* table;          /* the block table of the keys' sequence */
@@ -370,15 +375,16 @@ typedef struct {
     long j, j1, c;              /* the next key and byte of its row to request; the key to stop before */
     long block, slot;           /* key j's entry of the table and slot in its block (no division per line) */
     long per;                   /* lines of K (and as many of V) a request_more asks for */
+    int to_l2;                  /* requested into L2 rather than L1 */
 } TileRequest;
 
 /* keys [j0, j1) (none where j1 <= j0), asked for over `points` calls of request_more */
 static inline TileRequest tile_request(const void* pool, long elt, const long* table, long block_size,
                                        long token_stride, long v_offset, long head, long d, long j0, long j1,
-                                       long points) {
+                                       long points, int to_l2) {
     const long row_bytes = d * elt, lines = j1 > j0 ? (j1 - j0) * ((row_bytes + 63) / 64) : 0;
     return (TileRequest){(const char*)pool, table, elt, block_size, token_stride, v_offset, head, row_bytes,
-                         j0, j1, 0, j0 / block_size, j0 % block_size, (lines + points - 1) / points};
+                         j0, j1, 0, j0 / block_size, j0 % block_size, (lines + points - 1) / points, to_l2};
 }
 
 /* the next `per` lines of the request (t NULL: none) */
@@ -386,8 +392,13 @@ static inline void request_more(TileRequest* t) {
     if (!t) return;
     for (long n = 0; n < t->per && t->j < t->j1; n++) {
         const char* row = t->pool + t->elt * ((t->table[t->block] * t->block_size + t->slot) * t->token_stride + t->head);
-        _mm_prefetch(row + t->c, _MM_HINT_T0);
-        _mm_prefetch(row + t->elt * t->v_offset + t->c, _MM_HINT_T0);
+        if (t->to_l2) {
+            _mm_prefetch(row + t->c, _MM_HINT_T1);
+            _mm_prefetch(row + t->elt * t->v_offset + t->c, _MM_HINT_T1);
+        } else {
+            _mm_prefetch(row + t->c, _MM_HINT_T0);
+            _mm_prefetch(row + t->elt * t->v_offset + t->c, _MM_HINT_T0);
+        }
         if ((t->c += 64) >= t->row_bytes) {
             t->c = 0;
             t->j++;

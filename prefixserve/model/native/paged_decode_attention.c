@@ -316,7 +316,7 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                 const long j1 = !avx512 || next == batch * kv_heads ? j0 : lens[nb] < j0 + KT ? lens[nb] : j0 + KT;
                 TileRequest ahead = tile_request(pool, elt, tables + nb * table_width, block_size, token_stride, v_offset,
                                                  next % kv_heads * d, d, j0, j1,
-                                                 few ? FEW_REQUEST_POINTS : request_points(panels, d));
+                                                 few ? FEW_REQUEST_POINTS : request_points(panels, d), 1);
                 /* every row of a decode task sits after all of the tile's keys */
                 for (long p = 0; p < panels; p++) vis[p] = n;
                 if (key_words) scores512_bf16(qw, kt, d, s, vis, panels, last, qscale, &ahead);

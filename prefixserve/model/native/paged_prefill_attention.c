@@ -289,7 +289,7 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
             const long* table = tables + w.b * table_width;
             if (stream && avx512) {
                 TileRequest first_tile = tile_request(pool, elt, table, block_size, token_stride, v_offset, w.h * d, d, 0,
-                                                      last + 1 < KT ? last + 1 : KT, 1);
+                                                      last + 1 < KT ? last + 1 : KT, 1, 0);
                 request_more(&first_tile);
             }
 
@@ -329,7 +329,7 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                 /* a streamed item's next tile, requested over this one's row panels (AVX-512 CPUs, as in decode) */
                 TileRequest ahead = tile_request(pool, elt, table, block_size, token_stride, v_offset, w.h * d, d, k0 + KT,
                                                  stream && avx512 ? (last + 1 < k0 + 2 * KT ? last + 1 : k0 + 2 * KT) : 0,
-                                                 request_points(panels, d));
+                                                 request_points(panels, d), 0);
                 if (stream) {
                     const long n = last + 1 - k0 < KT ? last + 1 - k0 : KT;
                     tile_rows(table, block_size, token_stride, w.h * d, k0, n, len, at);
