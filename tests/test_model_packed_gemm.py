@@ -84,6 +84,37 @@ def test_a_rows_bits_do_not_depend_on_the_batch_on_the_models_shapes(dtype: torc
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m, n", [(1, 1), (7, 70), (16, 200), (30, 13)])
+def test_widened_results_are_the_results_as_float32(kernel, m: int, n: int, dtype: torch.dtype) -> None:
+    """`widened` (the logits' path) stores what `.float()` of the dtype's result holds, bit for bit: the
+    same rounding, halfway sums, infinities from sums past the largest value and NaN included, on rows
+    of 16 or fewer (chunks, requests into L2) and more (four groups), with and without a bias."""
+    gen = torch.Generator().manual_seed(m * 131 + n)
+    k = 96
+    x, w = torch.randn(m, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
+    x[0, :2] = torch.tensor([3e38, 3e38]).to(dtype)        # row 0: sums that overflow to +-inf
+    w[:, :2] = 1.0
+    if m > 1:
+        x[1, 0] = float("nan")                               # row 1: NaN in every column
+    bias = torch.randn(n, generator=gen)
+    for b in (None, bias):
+        plain = kernel.product(x, packed(w), n, b)
+        widened = kernel.product(x, packed(w), n, b, widened=True)
+        assert widened.dtype == torch.float32 and widened.shape == (m, n)
+        assert torch.equal(widened.view(torch.int32), plain.float().view(torch.int32))
+    assert plain.float().isinf().any() and (m == 1 or plain.float()[1].isnan().all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_packed_heads_logits_are_its_results_widened(dtype: torch.dtype) -> None:
+    """compute_logits of a packed model takes the widened store: the same bits as the head's results in
+    the model's dtype, then `.float()` (what the logits were before it)."""
+    model = load_model("random:qwen3-tiny", dtype=str(dtype).removeprefix("torch."), seed=5).model
+    h = torch.randn(16, model.config.hidden_size).to(dtype)
+    assert torch.equal(model.compute_logits(h), linear(h, model.lm_head).float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_threads_split_the_panels_without_overlap(kernel, dtype: torch.dtype) -> None:
     """Every output written once whatever the thread count: a missed or doubled panel shows."""
     gen = torch.Generator().manual_seed(2)

@@ -47,8 +47,8 @@ class PackedWeight(nn.Module):
     def extra_repr(self) -> str:
         return f"out_features={self.out_features}, in_features={self.in_features}, dtype={self.dtype}"
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., in] @ W.T (+ bias), like F.linear."""
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, widened: bool = False) -> torch.Tensor:
+        """x [..., in] @ W.T (+ bias), like F.linear; `widened`: its float32 `.float()`, stored so at once."""
         kernel = packed_gemm.default_kernel()
         if kernel is None:
             raise RuntimeError("packed weights need the packed_gemm kernel, which this process cannot load")
@@ -57,9 +57,10 @@ class PackedWeight(nn.Module):
                 raise ValueError(f"bias {tuple(bias.shape)} for {self.out_features} columns")
             bias = bias.float().contiguous()
         if x.dim() == 2:
-            return kernel.product(x.contiguous(), self.panels, self.out_features, bias)
+            return kernel.product(x.contiguous(), self.panels, self.out_features, bias, widened)
         flat = x.reshape(-1, self.in_features).contiguous()
-        return kernel.product(flat, self.panels, self.out_features, bias).view(*x.shape[:-1], self.out_features)
+        return kernel.product(flat, self.panels, self.out_features, bias, widened).view(*x.shape[:-1],
+                                                                                        self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """W[ids] (an embedding lookup), gathered out of the panels."""

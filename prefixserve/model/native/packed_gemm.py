@@ -20,6 +20,8 @@ PANEL = 64      # output columns per panel (the C file's PANEL)
 # elements of k per step of the kernel (the C file's STEP): a bfloat16 pair for vdpbf16ps, one float32 for FMA
 STEP = {torch.bfloat16: 2, torch.float32: 1}
 _FUNCTIONS = {torch.bfloat16: "packed_gemm_bf16", torch.float32: "packed_gemm_f32"}
+# per dtype, the function whose results are that dtype's, stored widened to float32 (float32's: its own)
+_WIDENED = {torch.bfloat16: "packed_gemm_bf16_widened", torch.float32: "packed_gemm_f32"}
 
 
 def panel_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -55,12 +57,13 @@ class PackedGemm:
         self.dtypes = runnable_dtypes() if dtypes is None else dtypes
         # per dtype (x, panels, bias or 0, y, m, n, k, threads); public, unchecked, for callers that check their
         # operands once and call it many times (model/decode_program.py)
-        self.functions = {}
+        self.functions, self._widened = {}, {}
         for dtype in self.dtypes:
-            fn = getattr(library, _FUNCTIONS[dtype])
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-            self.functions[dtype] = fn
+            for table, name in ((self.functions, _FUNCTIONS[dtype]), (self._widened, _WIDENED[dtype])):
+                fn = getattr(library, name)
+                fn.restype = None
+                fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+                table[dtype] = fn
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
         m, k = x.shape
@@ -72,18 +75,21 @@ class PackedGemm:
             raise ValueError(f"bias {tuple(bias.shape)} for {n} columns")
         return self.product(x, panels, n, None if bias is None else bias.float().contiguous())
 
-    def product(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    def product(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
+                widened: bool = False) -> torch.Tensor:
         """`__call__` for panels already checked against n and k (a PackedWeight's own, checked when it
-        packed them: per projection the checks cost as much as the call) and a float32 bias or None."""
+        packed them: per projection the checks cost as much as the call) and a float32 bias or None.
+        `widened`: the same results (rounded to x's dtype) returned as float32, as `.float()` of them."""
         m, k = x.shape
         step = panels.shape[-1]
         if x.dtype != panels.dtype or not x.is_contiguous() or k % step or k != step * panels.shape[1]:
             raise ValueError(f"x {tuple(x.shape)} {x.dtype} (contiguous: {x.is_contiguous()}) does not fit "
                              f"panels {tuple(panels.shape)} {panels.dtype}")
-        y = torch.empty(m, n, dtype=x.dtype)
+        y = torch.empty(m, n, dtype=torch.float32 if widened else x.dtype)
         if m and n:
-            self.functions[x.dtype](x.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                    y.data_ptr(), m, n, k, torch.get_num_threads())
+            (self._widened if widened else self.functions)[x.dtype](
+                x.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+                torch.get_num_threads())
         return y
 
 
