@@ -351,8 +351,8 @@ static inline void gather_transposed_pool(const void* pool, int bf16, const long
     for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + i * ldd, r[i]);
 }
 
-/* The K and V rows of keys [j, j1) of one KV head (at element `head` of a token's row), requested into
- * L1 while the tile before them is computed: the hardware prefetcher cannot follow rows scattered over the
+/* The K and V rows of keys [j, j1) of one KV head (at element `head` of a token's row), requested
+ * while the tile before them is computed: the hardware prefetcher cannot follow rows scattered over the
  * pool's blocks, and a tile's compute would otherwise wait on each of them (decode: 16 sequences stacked
  * over a 1024-token run, K/V from memory, 1.23x; one sequence's 110 keys 1.09x). request_more asks for
  * `per` lines of K, and as many of V, at a time, and the tiles call it once per row panel (a few rows'
@@ -366,7 +366,7 @@ static inline void gather_transposed_pool(const void* pool, int bf16, const long
  * Decode asks for them into L2 (`to_l2`): into L1 (32 KB on Zen 4) a tile's K and V rows (32 KB at 64
  * keys of a 128-dim bfloat16 head) pushed out the tile being computed (Zen 4 EPYC, 2 threads, bfloat16,
  * the decode program's layers with the two builds alternating every step, 16 sequences over a shared
- * 1024-token run: 1.03-1.06x). Prefill reuses each tile over many query panels and keeps L1: L2 measured
+ * 1024-token run: 1.03-1.08x; L1 for the stacked or the few-row tasks alone: 1.04x slower). Prefill reuses each tile over many query panels and keeps L1: L2 measured
  * no faster there. */
 typedef struct {
     const char* pool;

@@ -73,8 +73,8 @@ AVX512_TARGET static ALWAYS_INLINE void store_f32x16(float* y, __mmask16 mask, _
  * (over the 0.6B model's projections + LM head, streamed, 2-core Zen 5 EPYC: bfloat16 16 rows 1.08-1.14x,
  * 8 rows 1.25x; float32 16 rows 1.16x; 32-64 rows no faster, so more rows keep whole panels).
  * With at most L2_GROUPS row groups (up to 18 rows) the next chunk is requested into L2, not L1, and the
- * chunks are L2_CHUNK steps (8 KB): into L1 (32 KB on Zen 4) the requests pushed out the
- * chunk the later groups still read and queued behind L1's few miss buffers. With four groups each chunk
+ * chunks are L2_CHUNK steps (8 KB): into L1 (32 KB on Zen 4) the requests pushed out the chunk the later
+ * groups still read and queued behind L1's few miss buffers. With four groups each chunk
  * takes long enough that L1 requests arrive in time and the later groups find the chunk in L1, which the
  * compute-bound passes need (Zen 4 EPYC, 2 cores, bfloat16, streamed, in one run: 16 rows 1.10-1.15x,
  * 12 rows 1.35x, 8 rows 1.3-1.5x; 24 rows 0.91-0.93x with the L2 requests, so four groups keep L1's). */
@@ -101,8 +101,8 @@ AVX512_TARGET static ALWAYS_INLINE void store_f32x16(float* y, __mmask16 mask, _
  * 512 rows, blocking the rows to keep x in L2 measured no faster). */
 #define PACKED_GEMM(NAME, S, TARGET, T, STEP, Y, ST)                                                      \
 TARGET static ALWAYS_INLINE void chunk##NAME(const T* x, size_t k, const T* panel, long p0, long p1,        \
-                                          __m512* sums, const int rows, const char* ahead, long lines,     \
-                                          const int to_l2) {                                               \
+                                             __m512* sums, const int rows, const char* ahead, long lines,  \
+                                             const int to_l2) {                                            \
     __m512 acc[MR][VECS];                                                                                   \
     for (int j = 0; j < rows; j++)                                                                          \
         for (int v = 0; v < VECS; v++) acc[j][v] = p0 ? sums[j * VECS + v] : _mm512_setzero_ps();          \
@@ -123,11 +123,11 @@ TARGET static ALWAYS_INLINE void chunk##NAME(const T* x, size_t k, const T* pane
 }                                                                                                           \
                                                                                                             \
 TARGET static ALWAYS_INLINE void finish##NAME(const __m512* sums, const float* bias, Y* y, size_t n, int cols, \
-                                           int rows) {                                                      \
+                                              int rows) {                                                   \
     for (int j = 0; j < rows; j++)                                                                          \
         for (int v = 0; v < VECS && 16 * v < cols; v++) {                                                   \
             const int c = 16 * v;                                                                           \
-            const __mmask16 mask = cols - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cols - c)) - 1);\
+            const __mmask16 mask = cols - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cols - c)) - 1); \
             __m512 s = sums[j * VECS + v];                                                                  \
             if (bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(mask, bias + c));                         \
             store##ST##x16(y + j * n + c, mask, s);                                                         \
@@ -135,7 +135,7 @@ TARGET static ALWAYS_INLINE void finish##NAME(const __m512* sums, const float* b
 }                                                                                                           \
                                                                                                             \
 TARGET void packed_gemm##NAME(const T* x, const T* wp, const float* bias, Y* y, long m, long n, long k,     \
-                           int threads) {                                                                   \
+                              int threads) {                                                                \
     const long panels = (n + PANEL - 1) / PANEL, groups = (m + MR - 1) / MR;                                \
     const size_t panel_elems = (size_t)k * PANEL;                                                           \
     const int to_l2 = groups <= L2_GROUPS;                                                                  \
