@@ -366,8 +366,8 @@ static inline void gather_transposed_pool(const void* pool, int bf16, const long
  * Decode asks for them into L2 (`to_l2`): into L1 (32 KB on Zen 4) a tile's K and V rows (32 KB at 64
  * keys of a 128-dim bfloat16 head) pushed out the tile being computed (Zen 4 EPYC, 2 threads, bfloat16,
  * the decode program's layers with the two builds alternating every step, 16 sequences over a shared
- * 1024-token run: 1.03-1.08x; L1 for the stacked or the few-row tasks alone: 1.04x slower). Prefill reuses each tile over many query panels and keeps L1: L2 measured
- * no faster there. */
+ * 1024-token run: 1.03-1.08x; L1 for the stacked or the few-row tasks alone: 1.04x slower). Prefill
+ * reuses each tile over many query panels and keeps L1: L2 measured no faster there. */
 typedef struct {
     const char* pool;
     const long* table;          /* the block table of the keys' sequence */
@@ -392,13 +392,8 @@ static inline void request_more(TileRequest* t) {
     if (!t) return;
     for (long n = 0; n < t->per && t->j < t->j1; n++) {
         const char* row = t->pool + t->elt * ((t->table[t->block] * t->block_size + t->slot) * t->token_stride + t->head);
-        if (t->to_l2) {
-            _mm_prefetch(row + t->c, _MM_HINT_T1);
-            _mm_prefetch(row + t->elt * t->v_offset + t->c, _MM_HINT_T1);
-        } else {
-            _mm_prefetch(row + t->c, _MM_HINT_T0);
-            _mm_prefetch(row + t->elt * t->v_offset + t->c, _MM_HINT_T0);
-        }
+        request_line(row + t->c, t->to_l2);
+        request_line(row + t->elt * t->v_offset + t->c, t->to_l2);
         if ((t->c += 64) >= t->row_bytes) {
             t->c = 0;
             t->j++;

@@ -108,8 +108,7 @@ TARGET static ALWAYS_INLINE void chunk##NAME(const T* x, size_t k, const T* pane
         for (int v = 0; v < VECS; v++) acc[j][v] = p0 ? sums[j * VECS + v] : _mm512_setzero_ps();          \
     long line = 0, owed = 0;                                                                                \
     for (long p = p0; p < p1; p++) {                                                                        \
-        if (ahead && to_l2) request_share(ahead, lines, p1 - p0, &line, &owed, _MM_HINT_T1);                \
-        else if (ahead) request_share(ahead, lines, p1 - p0, &line, &owed, _MM_HINT_T0);                    \
+        if (ahead) request_share(ahead, lines, p1 - p0, &line, &owed, to_l2);                               \
         const T* wq = panel + (size_t)p * STEP * PANEL;                                                     \
         __m512i w[VECS];                                                                                    \
         for (int v = 0; v < VECS; v++) w[v] = _mm512_loadu_si512(wq + 16 * STEP * v);                      \

@@ -17,14 +17,21 @@
  * by the two 256-bit loads a Zen 3 core issues per cycle, instead of 8). */
 #define IN_REGISTER(v) __asm__("" : "+x"(v))
 
+/* Requests the cache line at p into L2 (to_l2) or L1: the hint must be a constant, so one branch here
+ * instead of one at every caller that decides at run time. */
+static ALWAYS_INLINE void request_line(const char* p, int to_l2) {
+    if (to_l2) _mm_prefetch(p, _MM_HINT_T1);
+    else _mm_prefetch(p, _MM_HINT_T0);
+}
+
 /* One step's share of `lines` cache lines (from `ahead`) spread evenly over `steps` steps: requests the
- * lines owed by this step into the cache level `hint` names, counted exactly in integers (`owed` starts at
- * 0, `line` at the first line), so `steps` calls request all of them. Lets a GEMM pass stream the next
- * weight tile while it computes on this one from cache, instead of leaving memory idle and then stalling
- * on the next tile. */
+ * lines owed by this step (into L2 or L1, request_line), counted exactly in integers (`owed` starts at 0,
+ * `line` at the first line), so `steps` calls request all of them. Lets a GEMM pass stream the next weight
+ * tile while it computes on this one from cache, instead of leaving memory idle and then stalling on the
+ * next tile. */
 static ALWAYS_INLINE void request_share(const char* ahead, long lines, long steps, long* line, long* owed,
-                                        const int hint) {
-    for (*owed += lines; *owed >= steps; *owed -= steps) _mm_prefetch(ahead + 64 * (*line)++, hint);
+                                        int to_l2) {
+    for (*owed += lines; *owed >= steps; *owed -= steps) request_line(ahead + 64 * (*line)++, to_l2);
 }
 
 /* [sum a0, sum a1, sum a2, sum a3]: interleaving pairs and adding halves costs a third of four

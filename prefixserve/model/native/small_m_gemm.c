@@ -218,7 +218,7 @@ AVX512_TARGET static ALWAYS_INLINE void tile512(const float* x, const float* w, 
         const long steps = (long)((p1 - p) / 16);
         long line = line0, owed = 0;
         for (; p + 16 <= p1; p += 16) {
-            request_share(ahead, lines, steps, &line, &owed, _MM_HINT_T0);
+            request_share(ahead, lines, steps, &line, &owed, 0);
             step512(a, x, w, k, p, 0, 1, TN, TM);
         }
         for (; line < line0 + lines; line++) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
