@@ -20,7 +20,7 @@ from prefixserve.model.config import ModelConfig
 from prefixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, empty_parameter, fused_kernel
 from prefixserve.model.linear import linear
 from prefixserve.model.packed_weight import applies as packing_applies
-from prefixserve.model.packed_weight import PackedWeight, embedding, pack_attribute
+from prefixserve.model.packed_weight import embedding, pack_attribute
 
 
 class Attention(nn.Module):
@@ -160,6 +160,4 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the given rows only (the caller selects the rows to sample)."""
         # A strided row selection makes low-precision oneDNN matmuls very slow; feed a dense copy.
-        if isinstance(self.lm_head, PackedWeight):
-            return self.lm_head.matmul(hidden.contiguous(), widened=True)
-        return linear(hidden.contiguous(), self.lm_head).float()
+        return linear(hidden.contiguous(), self.lm_head, widened=True)

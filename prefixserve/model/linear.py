@@ -97,10 +97,17 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ weight[out, in].T (+ bias), like F.linear."""
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None,
+           widened: bool = False) -> torch.Tensor:
+    """x [..., in] @ weight[out, in].T (+ bias), like F.linear; `widened`: as `.float()` of that (a packed
+    weight stores it so in the same pass, the others widen after it)."""
     if isinstance(weight, PackedWeight):
-        return weight.matmul(x, bias)
+        return weight.matmul(x, bias, widened)
+    y = _linear(x, weight, bias)
+    return y.float() if widened else y
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return F.linear(x, weight, bias)  # neither fast kernel has a backward
     if SmallMGemm.supports(x, weight, bias) and (kernel := default_kernel()) is not None:
