@@ -278,7 +278,7 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
         float* kt = alpha + padded;
         float* vr = kt + KT * d;
         unsigned short* pw = (unsigned short*)(vr + KT * d);
-        unsigned* qw = key_words ? malloc(sizeof(unsigned) * padded * d / 2) : NULL;
+        unsigned* qw = key_words ? malloc(sizeof(unsigned) * (padded * d / 2 + QW_SPILL)) : NULL;
         memset(kt, 0, sizeof(float) * KT * d);     /* the slot beside a lone last panel is read, never used */
         long vis[(padded + MR - 1) / MR], at[KT], vrow[KT], row_at[rows > 0 ? rows : 1];
 

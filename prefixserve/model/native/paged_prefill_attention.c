@@ -146,14 +146,15 @@ static void widen_row(const void* row, int bf16, long d, float* dst) {
 }
 
 /* Word i of query row r holds its dimensions 2i (low half) and 2i + 1 (high half): two neighbouring
- * bfloat16 elements are that word already. Rows without a source are zeros. */
+ * bfloat16 elements are that word already, 8 words a step. Rows without a source are zeros. Panels are
+ * packed in order (store_word_block). */
 static void pack_query_words(const unsigned short* const* rows, long d, unsigned* qw) {
-    for (int r = 0; r < MR; r++)
-        for (long i = 0; i < d / 2; i++) {
-            unsigned w = 0;
-            if (rows[r]) memcpy(&w, rows[r] + 2 * i, 4);
-            qw[i * MR + r] = w;
-        }
+    for (long e = 0; e < d; e += 16) {
+        __m256 r[8];
+        for (int i = 0; i < 8; i++)
+            r[i] = i < MR && rows[i] ? _mm256_loadu_ps((const float*)(rows[i] + e)) : _mm256_setzero_ps();
+        store_word_block(r, qw + e / 2 * MR);
+    }
 }
 
 /* dst[0..D) = o[0..D) * inv, in float32 or rounded to the nearest even bfloat16 (store_bf16, as torch rounds) */
@@ -265,7 +266,8 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
         memset(tile_k, 0, sizeof(float) * KT * d);  /* the slot beside a lone last panel is read, never used */
         long at[KT];
         long* pos = malloc(sizeof(long) * rows_max * 3);
-        unsigned* qw = key_words ? malloc(sizeof(unsigned) * rows_max * d / 2) : NULL;   /* Q panels in word pairs */
+        /* Q panels in word pairs */
+        unsigned* qw = key_words ? malloc(sizeof(unsigned) * (rows_max * d / 2 + QW_SPILL)) : NULL;
         float* qrows = pool_bf16 && !key_words ? malloc(sizeof(float) * MR * d) : NULL;  /* a panel's rows widened */
         long* vis = pos + rows_max;
         long* valid = pos + 2 * rows_max;     /* a tile row's keys at or before its position */
