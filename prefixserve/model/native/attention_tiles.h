@@ -441,29 +441,30 @@ static void pack_keys_bf16(const void* pool, const long* at, long d, float* kt) 
         }
 }
 
-/* A block of 8 words (word pairs) of each of the MR rows of a Q panel (r[6], r[7] zeros) into the panel's
- * layout, qw[i * MR + row] for the block's 8 words i: the 8 x 8 transpose moves 32-bit words. The stores run
- * in order, each writing 2 words past its MR that the next store overwrites, so the last block writes 2
- * words past the panel (the next panel's first, or QW_SPILL words its buffer keeps past its end). */
+/* Word i of query row r holds its dimensions 2i (low half) and 2i + 1 (high half), 16 dimensions a step:
+ * from bfloat16 rows (prefill's queries) two neighbouring elements are that word already; from float32
+ * rows holding bfloat16 values (`widened`: decode's queries) it is their top halves, shifted down and
+ * narrowed, bit for bit. Rows without a source are zeros. An 8 x 8 transpose of 32-bit words puts each
+ * block of 8 words in the panel's layout, qw[i * MR + r]; its stores run in order, each writing 2 words
+ * past its MR that the next store overwrites, so panels are packed in order and the last writes QW_SPILL
+ * words past its end (the buffer keeps them). Against a word at a time, decode's own-block call
+ * (16 sequences x 8 KV heads x 2 rows over 40 keys, a task per sequence and head, in cache) took 0.86x
+ * the time on a 2-core Zen 4 EPYC. */
 #define QW_SPILL 2
-static inline void store_word_block(__m256 r[8], unsigned* qw) {
-    transpose8(r);
-    for (int w = 0; w < 8; w++) _mm256_storeu_ps((float*)(qw + w * MR), r[w]);
-}
-
-/* Word i of query row r holds its dimensions 2i (low half) and 2i + 1 (high half): the top halves of
- * the float32 values, which are bfloat16 values widened (shifted down and narrowed, bit for bit, 16
- * dimensions a step). Rows without a source are zeros. Panels are packed in order (store_word_block).
- * Against a word at a time, decode's own-block call (16 sequences x 8 KV heads x 2 rows over 40 keys,
- * a task per sequence and head, in cache) took 0.86x the time on a 2-core Zen 4 EPYC. */
-AVX512_TARGET static void pack_queries_bf16(const float* const* rows, long d, unsigned* qw) {
+AVX512_TARGET static void pack_query_words(const void* const* rows, int widened, long d, unsigned* qw) {
     for (long e = 0; e < d; e += 16) {
         __m256 r[8];
-        for (int i = 0; i < 8; i++)
-            r[i] = i < MR && rows[i]
-                ? _mm256_castsi256_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_loadu_si512(rows[i] + e), 16)))
-                : _mm256_setzero_ps();
-        store_word_block(r, qw + e / 2 * MR);
+        for (int i = 0; i < 8; i++) {
+            if (i >= MR || !rows[i])
+                r[i] = _mm256_setzero_ps();
+            else if (widened)
+                r[i] = _mm256_castsi256_ps(_mm512_cvtepi32_epi16(
+                    _mm512_srli_epi32(_mm512_loadu_si512((const float*)rows[i] + e), 16)));
+            else
+                r[i] = _mm256_loadu_ps((const float*)((const unsigned short*)rows[i] + e));
+        }
+        transpose8(r);
+        for (int w = 0; w < 8; w++) _mm256_storeu_ps((float*)(qw + (e / 2 + w) * MR), r[w]);
     }
 }
 

@@ -291,7 +291,7 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                 const float* src[MR];
                 for (long r = 0; r < MR; r++) src[r] = p * MR + r < rows ? q + row_at[p * MR + r] * d : NULL;
                 if (key_words)
-                    pack_queries_bf16(src, d, qw + p * MR * (d / 2));
+                    pack_query_words((const void* const*)src, 1, d, qw + p * MR * (d / 2));
                 else
                     for (long e = 0; e < d; e += 8) gather_transposed(src, MR, e, qs, qp + p * MR * d + e * MR, MR);
             }

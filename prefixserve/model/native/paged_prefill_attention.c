@@ -145,18 +145,6 @@ static void widen_row(const void* row, int bf16, long d, float* dst) {
     for (long e = 0; e < d; e += 8) _mm256_storeu_ps(dst + e, pool_load8(row, bf16, e));
 }
 
-/* Word i of query row r holds its dimensions 2i (low half) and 2i + 1 (high half): two neighbouring
- * bfloat16 elements are that word already, 8 words a step. Rows without a source are zeros. Panels are
- * packed in order (store_word_block). */
-static void pack_query_words(const unsigned short* const* rows, long d, unsigned* qw) {
-    for (long e = 0; e < d; e += 16) {
-        __m256 r[8];
-        for (int i = 0; i < 8; i++)
-            r[i] = i < MR && rows[i] ? _mm256_loadu_ps((const float*)(rows[i] + e)) : _mm256_setzero_ps();
-        store_word_block(r, qw + e / 2 * MR);
-    }
-}
-
 /* dst[0..D) = o[0..D) * inv, in float32 or rounded to the nearest even bfloat16 (store_bf16, as torch rounds) */
 static void store_row(void* dst, int bf16, const float* o, float inv, long d) {
     const __m256 s = _mm256_set1_ps(inv);
@@ -307,7 +295,7 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                     l[r] = 0.0f;
                 }
                 if (key_words) {
-                    pack_query_words((const unsigned short* const*)src, d, qw + p * MR * (d / 2));
+                    pack_query_words((const void* const*)src, 0, d, qw + p * MR * (d / 2));
                     continue;
                 }
                 const float* rows_f[MR];
