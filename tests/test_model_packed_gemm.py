@@ -45,7 +45,7 @@ def packed(w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 64, 130])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 8, 13, 16, 64, 130])
 @pytest.mark.parametrize("n, k", [(1, 2), (13, 24), (64, 1024), (70, 136), (200, 3072), (3, 7)])
 def test_the_product_of_the_exact_operands_rounded_once(kernel, m: int, n: int, k: int, dtype: torch.dtype) -> None:
     k += k % packed_gemm.STEP[dtype]       # an odd length (float32's edge) is a whole number of bfloat16 pairs
@@ -73,12 +73,12 @@ def test_a_rows_bits_do_not_depend_on_the_batch_on_the_models_shapes(dtype: torc
         w = PackedWeight((torch.randn(n, k, generator=gen) * 0.05).to(dtype))
         rows = torch.randn(700, k, generator=gen).to(dtype)
         alone = torch.cat([linear(rows[r:r + 1], w) for r in (0, 5, 6, 7, 699)])
-        # 24 rows and fewer take k in chunks, 18 and fewer smaller ones
-        for m in (2, 6, 7, 18, 19, 24, 25, 47, 64, 65, 130, 700):
-            batch = linear(rows[:m], w)
-            assert torch.equal(batch[:1], alone[:1]), (k, n, m)
-            picked = [i for i, r in enumerate((0, 5, 6, 7, 699)) if r < m]
-            assert torch.equal(batch[[(0, 5, 6, 7, 699)[i] for i in picked]], alone[picked]), (k, n, m)
+        whole = linear(rows, w)
+        assert torch.equal(whole[[0, 5, 6, 7, 699]], alone), (k, n)
+        # 24 rows and fewer take k in chunks in row groups of even size (8: 4 + 4, 13: 4 + 4 + 5), 18 and
+        # fewer smaller chunks; more rows take whole panels in groups of 6: every row against the 700's
+        for m in (2, 6, 7, 8, 13, 16, 18, 19, 24, 25, 47, 64, 65, 130):
+            assert torch.equal(linear(rows[:m], w), whole[:m]), (k, n, m)
         shifted = linear(rows[3:133].contiguous(), w)     # every row in another place of its row group
         assert torch.equal(shifted[2:5], alone[1:4])
 
