@@ -81,7 +81,9 @@ AVX512_TARGET static ALWAYS_INLINE void store_f32x16(float* y, __mmask16 mask, _
  * A few rows split into groups of even size (8 rows: 4 + 4, not 6 + 2): each group asks for an even share of
  * the next chunk's lines, and a short last group asked for its share in a burst while the others left memory
  * idle (bfloat16 decode steps of 8 sequences over a 1056-token context, 2-core Zen 4 EPYC, builds alternating
- * in the engine: 0.956 and 0.983 against null builds' 0.997 and 1.014; 13 and 16 sequences within noise). */
+ * in the engine: 0.956 and 0.983 against null builds' 0.997 and 1.014; 13 and 16 sequences within noise).
+ * Up to MR rows (one group) take whole panels: chunks only serve later groups, and cost one group the sums'
+ * round trips (same machine and A/B: bfloat16 1 sequence 0.964, 4 sequences 0.964; float32 1 sequence 0.958). */
 #define CHUNK 64
 #define CHUNKED_ROWS 24
 #define L2_CHUNK 32
@@ -143,7 +145,8 @@ TARGET void packed_gemm##NAME(const T* x, const T* wp, const float* bias, Y* y, 
     const size_t panel_elems = (size_t)k * PANEL;                                                           \
     const int to_l2 = groups <= L2_GROUPS;                                                                  \
     const int few = m <= CHUNKED_ROWS;                                                                      \
-    const long steps = (long)(k / STEP), chunk = few ? to_l2 ? L2_CHUNK : CHUNK : steps;                    \
+    /* one group has no later group to read a chunk from cache: it takes whole panels */                  \
+    const long steps = (long)(k / STEP), chunk = few && groups > 1 ? to_l2 ? L2_CHUNK : CHUNK : steps;      \
     const long step_lines = (long)(STEP * PANEL * sizeof(T) / 64);                                          \
     _Pragma("omp parallel num_threads(threads)")                                                            \
     {                                                                                                       \
