@@ -75,8 +75,9 @@ def test_a_rows_bits_do_not_depend_on_the_batch_on_the_models_shapes(dtype: torc
         alone = torch.cat([linear(rows[r:r + 1], w) for r in (0, 5, 6, 7, 699)])
         whole = linear(rows, w)
         assert torch.equal(whole[[0, 5, 6, 7, 699]], alone), (k, n)
-        # 24 rows and fewer take k in chunks in row groups of even size (8: 4 + 4, 13: 4 + 4 + 5), 18 and
-        # fewer smaller chunks; more rows take whole panels in groups of 6: every row against the 700's
+        # 7 to 24 rows take k in chunks in row groups of even size (8: 4 + 4, 13: 4 + 4 + 5), up to 18 smaller
+        # chunks; 6 and fewer take whole panels in one group, 25 and more in groups of 6: every row against
+        # the 700's
         for m in (2, 6, 7, 8, 13, 16, 18, 19, 24, 25, 47, 64, 65, 130):
             assert torch.equal(linear(rows[:m], w), whole[:m]), (k, n, m)
         shifted = linear(rows[3:133].contiguous(), w)     # every row in another place of its row group

@@ -66,7 +66,7 @@ AVX512_TARGET static ALWAYS_INLINE void store_f32x16(float* y, __mmask16 mask, _
     _mm512_mask_storeu_ps(y, mask, s);
 }
 
-/* A few rows (a decode step's) take the panel CHUNK steps of k at a time, every row group over one chunk
+/* 7 to 24 rows (a decode step's) take the panel CHUNK steps of k at a time, every row group over one chunk
  * before the next, their sums kept in a buffer between chunks: the chunk (16 KB in either dtype) is read from
  * memory by the first group and from L1 by the others, and the next chunk is requested while they run, so
  * weights stream at an even pace instead of stopping while the later groups re-read a whole panel from L2
@@ -145,7 +145,6 @@ TARGET void packed_gemm##NAME(const T* x, const T* wp, const float* bias, Y* y, 
     const size_t panel_elems = (size_t)k * PANEL;                                                           \
     const int to_l2 = groups <= L2_GROUPS;                                                                  \
     const int few = m <= CHUNKED_ROWS;                                                                      \
-    /* one group has no later group to read a chunk from cache: it takes whole panels */                  \
     const long steps = (long)(k / STEP), chunk = few && groups > 1 ? to_l2 ? L2_CHUNK : CHUNK : steps;      \
     const long step_lines = (long)(STEP * PANEL * sizeof(T) / 64);                                          \
     _Pragma("omp parallel num_threads(threads)")                                                            \
