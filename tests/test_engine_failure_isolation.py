@@ -16,6 +16,7 @@ import torch
 
 from prefixserve import EngineConfig, LLMEngine, SamplingParams
 from prefixserve.engine.outputs import CachePin
+from prefixserve.model.kv_layout import write_kv
 
 VICTIM = "victim"
 
@@ -147,12 +148,14 @@ class FailingForward:
         runner.prepare_inputs(plan)
         runner.copy_blocks(plan.block_copies)
         bs = runner.block_size
+        slots = []
         for seq in plan.sequences:
             table = runner.block_tables.table(seq.request_id)
-            for pos in range(seq.start_pos, seq.seq_len):
-                for cache in runner.kv_caches:
-                    cache[:, table[pos // bs], pos % bs] = 100.0 * torch.randn_like(
-                        cache[:, table[pos // bs], pos % bs])
+            slots += [table[pos // bs] * bs + pos % bs for pos in range(seq.start_pos, seq.seq_len)]
+        row = (runner.config.num_key_value_heads, runner.config.head_dim)
+        for cache in runner.kv_caches:
+            junk = (100.0 * torch.randn(len(slots), *row)).to(cache.dtype)
+            write_kv(cache, runner.kv_layout, torch.tensor(slots, dtype=torch.long), junk, junk)
         self.failed_steps += 1
         raise RuntimeError("injected forward failure")
 

@@ -98,25 +98,25 @@ def test_not_built_where_it_does_not_apply(tiny_checkpoint, monkeypatch) -> None
     del mlp.down_proj
     mlp.down_proj = torch.nn.Parameter(packed.unpacked(), requires_grad=False)
     try:
-        assert DecodeProgram.build(runner.model, runner.kv_caches) is None
+        assert DecodeProgram.build(runner.model, runner.kv_caches, runner.kv_layout) is None
     finally:
         del mlp.down_proj
         mlp.down_proj = packed
-    assert DecodeProgram.build(runner.model, runner.kv_caches) is not None
+    assert DecodeProgram.build(runner.model, runner.kv_caches, runner.kv_layout) is not None
     with monkeypatch.context() as patch:
         patch.setattr(decode_loop, "default_kernel", lambda: None)
-        assert DecodeProgram.build(runner.model, runner.kv_caches) is None
+        assert DecodeProgram.build(runner.model, runner.kv_caches, runner.kv_layout) is None
     # a backend deriving from the torch one may attend otherwise in its forward, which the program skips
     backend = runner.model.attention_backend
     with monkeypatch.context() as patch:
         patch.setattr(backend, "__class__", type("Derived", (type(backend),), {}))
-        assert DecodeProgram.build(runner.model, runner.kv_caches) is None
+        assert DecodeProgram.build(runner.model, runner.kv_caches, runner.kv_layout) is None
     monkeypatch.setattr(runner.model.attention_backend, "_decode_kernel", None)
-    assert DecodeProgram.build(runner.model, runner.kv_caches) is None
+    assert DecodeProgram.build(runner.model, runner.kv_caches, runner.kv_layout) is None
     # pools of different shapes cannot share one set of checked arguments
     caches = list(runner.kv_caches)
     caches[1] = caches[1][:, :-1].contiguous()
-    assert DecodeProgram.build(runner.model, caches) is None
+    assert DecodeProgram.build(runner.model, caches, runner.kv_layout) is None
 
 
 def test_applies_only_to_decode_only_steps_and_rejects_other_input(tiny_checkpoint) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from prefixserve.model.attention.metadata import AttentionMetadata
 from prefixserve.model.attention.torch_paged import TorchPagedAttention
+from prefixserve.model.kv_layout import ROWS
 from prefixserve.model.native import paged_prefill_attention
 from native_kernel_build import build_fresh
 from prefixserve.model.native.isa import AVX2, AVX512_BF16, ISAS, best_isa
@@ -348,6 +349,10 @@ def test_backend_answers_every_chunk_with_one_kernel_call(kernel: PagedPrefillAt
         def __call__(self, *args, **kwargs):
             calls.append(kwargs.get("min_query_len"))
             return kernel(*args, **kwargs)
+
+        def for_layout(self, layout):
+            assert layout == ROWS
+            return self
 
     backend = TorchPagedAttention(use_native=True)
     monkeypatch.setattr(backend, "_prefill_kernel", Counting())

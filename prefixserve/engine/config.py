@@ -13,6 +13,7 @@ DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 _DEVICE = re.compile(r"(?P<type>[a-z]+)(:(0|[1-9][0-9]*))?")
 KV_STORE_WRITES = ("back", "through")
 _BACKEND_NAME = re.compile(r"[a-z0-9][a-z0-9_\-]*")
+KV_LAYOUTS = ("auto", "rows", "panels")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     block_size: int = 16
+    # How the KV pool holds K/V (model/kv_layout.py). auto: panels where the native bfloat16 attention
+    # tiles read them (a bfloat16 pool on a CPU with avx512_bf16, blocks and head dims of whole
+    # 16-element panels), rows elsewhere.
+    kv_layout: str = "auto"
     enable_prefix_caching: bool = True
     hash_algo: str = "xxh3_64"
     eviction_policy: str = "lru"
@@ -58,6 +63,8 @@ class EngineConfig:
                              f"(\"cuda:1\"), got {self.device!r}")
         if not isinstance(self.attention_backend, str) or not _BACKEND_NAME.fullmatch(self.attention_backend):
             raise ValueError(f"attention_backend must be 'auto' or a backend name, got {self.attention_backend!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             _positive(name, getattr(self, name))
         for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "max_waiting"):

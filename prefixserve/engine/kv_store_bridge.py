@@ -32,12 +32,12 @@ _LOAD_BATCH_BLOCKS = 32
 
 class KVStoreBridge:
     def __init__(self, urls: Sequence[str], *, kv: KVCacheManager, kv_caches: Sequence,
-                 model, model_config: ModelConfig, block_size: int, hash_algo: str,
+                 model, model_config: ModelConfig, block_size: int, kv_layout: str, hash_algo: str,
                  write_through: bool, max_queue_bytes: int) -> None:
         dtype = kv_caches[0].dtype
         self.scope = KeyScope(weights_digest=weights_digest(model), kv_dtype=dtype_name(dtype),
                               block_size=block_size,
-                              kv_layout=payload_layout(model_config, block_size),
+                              kv_layout=payload_layout(model_config, block_size, kv_layout),
                               hash_algo=hash_algo)
         try:
             stores = [open_store(url) for url in urls]

@@ -120,7 +120,8 @@ class LLMEngine:
             max_waiting=config.max_waiting,
         ), self.kv, clock=clock)
         self.runner = ModelRunner(self.loaded, block_size=config.block_size, num_blocks=num_blocks,
-                                  vocab_limit=self.tokenizer.vocab_size, seed=config.seed)
+                                  vocab_limit=self.tokenizer.vocab_size, seed=config.seed,
+                                  kv_layout=config.kv_layout)
         self._groups: dict[str, _Group] = {}
         self._sample_to_group: dict[str, str] = {}
         self._requests_finished = 0
@@ -130,7 +131,7 @@ class LLMEngine:
             self._kv_stores = KVStoreBridge(
                 config.kv_stores, kv=self.kv, kv_caches=self.runner.kv_caches,
                 model=self.loaded.model, model_config=self.model_config,
-                block_size=config.block_size, hash_algo=config.hash_algo,
+                block_size=config.block_size, kv_layout=self.runner.kv_layout, hash_algo=config.hash_algo,
                 write_through=config.kv_store_write == "through",
                 max_queue_bytes=config.kv_store_queue_bytes)
             # Clean exits flush the pool to the persistent stores even without close().
@@ -150,8 +151,8 @@ class LLMEngine:
             device=str(next(self.loaded.model.parameters()).device), block_size=config.block_size,
             max_model_len=self.max_model_len, num_kv_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching, kernels=self.runner.kernels,
-            kv_store_scope=self.kv_store_scope or "")
-        logger.info("dtype %s (%s)", self.info.dtype, self.info.dtype_reason)
+            kv_store_scope=self.kv_store_scope or "", kv_layout=self.runner.kv_layout)
+        logger.info("dtype %s (%s), KV pool in %s", self.info.dtype, self.info.dtype_reason, self.info.kv_layout)
 
     def _default_num_blocks(self) -> int:
         budget = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY

@@ -75,6 +75,8 @@ class EngineInfo:
     # the key scope of its KV stores ("" without stores): engines with equal scopes read each
     # other's stored blocks (kv/stores/scope.py)
     kv_store_scope: str = ""
+    # how the KV pool holds K/V: "rows" or "panels" (model/kv_layout.py)
+    kv_layout: str = "rows"
 
 
 @dataclass

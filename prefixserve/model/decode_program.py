@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.model.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata
+from prefixserve.model.kv_layout import LAYOUT_CODES, PANELS, pool_geometry
 from prefixserve.model.native import decode_loop, fused_pointwise, packed_gemm
 from prefixserve.model.native.decode_loop import AttentionCall, DecodeLayer, DecodeLoop, DecodeStep, address
 from prefixserve.model.native.fused_pointwise import check_slots
@@ -38,7 +39,7 @@ class _Layer:
     """One layer as the loop takes it, and the tensors its addresses point into (kept alive here)."""
     operands: DecodeLayer
     biases: tuple[torch.Tensor | None, torch.Tensor | None]     # qkv's and o's, float32
-    k_pool: torch.Tensor      # [slots, KVH, D] views of the layer's pool
+    k_pool: torch.Tensor      # the layer's K and V: [slots, KVH, D] rows, or [blocks, KVH, BS, D] panels
     v_pool: torch.Tensor
 
 
@@ -68,10 +69,11 @@ class DecodeProgram:
 
     def __init__(self, model, kv_caches: list[torch.Tensor], layers: list[_Layer],
                  pointwise: fused_pointwise.FusedPointwise, gemm: packed_gemm.PackedGemm,
-                 attention: PagedDecodeAttention, loop: DecodeLoop) -> None:
+                 attention: PagedDecodeAttention, loop: DecodeLoop, layout: str) -> None:
         config = model.config
         self._model = model
         self._pool = kv_caches[0]
+        self._layout = layout
         self._layers = layers
         self._operands = (DecodeLayer * len(layers))(*(layer.operands for layer in layers))
         self._heads, self._kv_heads, self._head_dim = (config.num_attention_heads, config.num_key_value_heads,
@@ -94,8 +96,9 @@ class DecodeProgram:
         self._buffers: _Buffers | None = None
 
     @staticmethod
-    def build(model, kv_caches: list[torch.Tensor]) -> "DecodeProgram | None":
-        """The program for `model` over `kv_caches`, or None where it does not apply: a model not on the
+    def build(model, kv_caches: list[torch.Tensor], layout: str) -> "DecodeProgram | None":
+        """The program for `model` over `kv_caches` (pools in `layout`), or None where it does not apply: a model
+        not on the
         CPU with every projection packed (bfloat16 or float32, pools and weights all in that dtype), its head
         dim not whole 16-element rows, pools not all one contiguous shape, attention not through the torch
         backend itself, or a kernel it calls not loaded."""
@@ -103,12 +106,16 @@ class DecodeProgram:
         pointwise, gemm, loop = fused_pointwise.default_kernel(), packed_gemm.default_kernel(), decode_loop.default_kernel()
         # the torch backend itself: a subclass may attend otherwise in forward, which the program would skip
         attention = backend.decode_kernel if type(backend) is TorchPagedAttention else None
+        if layout == PANELS and attention is not None:
+            attention = attention.for_layout(PANELS) if backend.reads_panels else None
         config = model.config
         if (pointwise is None or gemm is None or attention is None or loop is None or config.head_dim % 16
                 or config.hidden_size % 8 or config.intermediate_size % 16 or len(kv_caches) != len(model.layers)):
             return None
         pool = kv_caches[0]
         dtype = pool.dtype
+        if pool_geometry(pool, layout)[2:] != (config.num_key_value_heads, config.head_dim):
+            raise ValueError(f"pools {tuple(pool.shape)} do not hold the model's KV heads in {layout}")
         if dtype not in gemm.functions or any(c.shape != pool.shape or c.dtype != dtype or not c.is_contiguous()
                                               or not c.is_cpu for c in kv_caches):
             return None
@@ -122,7 +129,8 @@ class DecodeProgram:
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             qk = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
             weights += norms + tuple(w for w in qk if w is not None)
-            k_pool, v_pool = (cache[i].view(-1, config.num_key_value_heads, config.head_dim) for i in (0, 1))
+            k_pool, v_pool = (cache[i] if layout == PANELS else cache[i].view(-1, config.num_key_value_heads,
+                                                                              config.head_dim) for i in (0, 1))
             biases = (_float_bias(attn.qkv_bias), _float_bias(attn.o_bias))
             layers.append(_Layer(DecodeLayer(
                 norms[0].data_ptr(), attn.qkv_proj.panels.data_ptr(), _ptr(biases[0]), _ptr(qk[0]), _ptr(qk[1]),
@@ -131,7 +139,7 @@ class DecodeProgram:
                 biases, k_pool, v_pool))
         if any(w.dtype != dtype or not w.is_contiguous() or not w.is_cpu for w in weights):
             return None
-        return DecodeProgram(model, kv_caches, layers, pointwise, gemm, attention, loop)
+        return DecodeProgram(model, kv_caches, layers, pointwise, gemm, attention, loop, layout)
 
     @staticmethod
     def applies(meta, tokens: int) -> bool:
@@ -167,7 +175,8 @@ class DecodeProgram:
         slots = meta.common.slot_mapping
         first = self._layers[0]
         # layer 0's pools stand for every layer's (one shape, checked at build): qk_norm_rope writes there
-        check_slots(first.k_pool, first.v_pool, slots, n, (self._kv_heads, self._head_dim), self._dtype)
+        block_size = check_slots(first.k_pool, first.v_pool, slots, n, (self._kv_heads, self._head_dim), self._dtype,
+                                 self._layout)
 
         # the attention calls of this step, checked once on layer 0's pool; the loop swaps in each layer's
         plan, tables = meta.decode, meta.native
@@ -186,6 +195,7 @@ class DecodeProgram:
         step = DecodeStep(
             **self._kernels, rows=n, hidden=self._hidden, q_size=self._q_size, qkv_size=self._qkv_size,
             intermediate=self._intermediate, heads=self._heads, kv_heads=self._kv_heads, head_dim=self._head_dim,
+            block_size=block_size, layout=LAYOUT_CODES[self._layout],
             eps=self._eps, qk_eps=self._qk_eps, residual=residual.data_ptr(), h=h.data_ptr(),
             mlp_out=mlp_out.data_ptr(), qkv=qkv.data_ptr(), q=q.data_ptr(), o=o.data_ptr(),
             # float32: o_proj reads the attention output where the kernel left it

@@ -1,8 +1,9 @@
 """Moving whole blocks of K/V between the pool and host buffers, for the KV stores.
 
-A block's payload is its K and V for every layer, as [layers, 2, block_size, kv_heads,
-head_dim] in the pool's dtype, little-endian as the pool holds it: the layout named by
-`payload_layout`, which is part of every stored block's key scope.
+A block's payload is its K and V for every layer, as [layers, 2, *block] in the pool's dtype and
+layout (model/kv_layout.py: a block of rows [block_size, kv_heads, head_dim], or of panels),
+little-endian as the pool holds it: the layout named by `payload_layout`, which is part of every
+stored block's key scope, so a pool of one layout never reads blocks stored from the other.
 """
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ import numpy as np
 import torch
 
 from prefixserve.model.config import ModelConfig
+from prefixserve.model.kv_layout import PANELS, ROWS
 
 
-def payload_layout(config: ModelConfig, block_size: int) -> str:
+def payload_layout(config: ModelConfig, block_size: int, layout: str = ROWS) -> str:
+    if layout == PANELS:
+        return (f"L{config.num_hidden_layers}x[K,V]x{config.num_key_value_heads}x{block_size}"
+                f"x{config.head_dim}/panels-v1")
     return (f"L{config.num_hidden_layers}x[K,V]x{block_size}x{config.num_key_value_heads}"
             f"x{config.head_dim}/pool-v1")
 
@@ -23,7 +28,7 @@ def payload_layout(config: ModelConfig, block_size: int) -> str:
 def read_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> np.ndarray:
     """A copy of the blocks' payloads as uint8 rows, one per block ([n, payload bytes])."""
     idx = torch.tensor(list(block_ids), dtype=torch.long, device=kv_caches[0].device)
-    # [L, 2, n, bs, H, D] -> [n, L, 2, bs, H, D]
+    # [L, 2, n, *block] -> [n, L, 2, *block]
     data = torch.stack([cache.index_select(1, idx) for cache in kv_caches]).permute(2, 0, 1, 3, 4, 5)
     data = data.contiguous().cpu()
     return data.view(torch.uint8).reshape(len(block_ids), -1).numpy()
@@ -46,14 +51,13 @@ class LoadTargets:
             self._staging = None
             # Slices of one byte view per layer: a tensor view per block and layer costs
             # more than the read it is for.
-            _, num_blocks, bs, heads, dim = kv_caches[0].shape
-            size = bs * heads * dim * kv_caches[0].element_size()
+            num_blocks = kv_caches[0].shape[1]
+            size = kv_caches[0][0, 0].numel() * kv_caches[0].element_size()
             layers = [_bytes_of(cache) for cache in kv_caches]
             self.buffers = [[layer[(kv * num_blocks + b) * size:(kv * num_blocks + b + 1) * size]
                              for layer in layers for kv in (0, 1)] for b in self.block_ids]
         else:
-            _, _, bs, heads, dim = kv_caches[0].shape
-            self._staging = torch.empty((len(self.block_ids), len(kv_caches), 2, bs, heads, dim),
+            self._staging = torch.empty((len(self.block_ids), len(kv_caches), 2, *kv_caches[0].shape[2:]),
                                         dtype=kv_caches[0].dtype)
             row = self._staging[0, 0, 0].numel() * self._staging.element_size()
             flat = _bytes_of(self._staging)

@@ -22,7 +22,7 @@ import torch
 from prefixserve.model.attention.metadata import AttentionMetadata, token_layout
 from prefixserve.model.decode_program import DecodeProgram
 from prefixserve.model.huge_pages import zeros_on_huge_pages
-from prefixserve.model.kv_layout import kv_cache_bytes_per_block, kv_cache_shape
+from prefixserve.model.kv_layout import PANELS, ROWS, kv_cache_bytes_per_block, kv_cache_shape, panels_fit
 from prefixserve.model.loader import LoadedModel
 from prefixserve.model.native.report import load_all
 from prefixserve.worker.block_tables import BlockTables
@@ -61,9 +61,22 @@ def num_blocks_for_memory(loaded: LoadedModel, block_size: int, kv_cache_memory:
     return kv_cache_memory // per_block
 
 
+def choose_kv_layout(requested: str, model, dtype: torch.dtype, block_size: int, device: torch.device) -> str:
+    """The pool's layout (model/kv_layout.py): panels where asked for or, with "auto", wherever the model's
+    attention backend reads them on this CPU; rows otherwise."""
+    fits = (device.type == "cpu" and panels_fit(dtype, block_size, model.config.head_dim)
+            and getattr(model.attention_backend, "reads_panels", False))
+    if requested == PANELS and not fits:
+        raise ValueError("kv_layout='panels' needs a bfloat16 model on a CPU whose attention kernels run the "
+                         "avx512_bf16 tiles, with block_size and head_dim multiples of 16")
+    if requested == "auto":
+        return PANELS if fits else ROWS
+    return requested
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, *, block_size: int, num_blocks: int,
-                 vocab_limit: int | None = None, seed: int = 0) -> None:
+                 vocab_limit: int | None = None, seed: int = 0, kv_layout: str = "auto") -> None:
         self.model = loaded.model
         self.config = loaded.config
         self.block_size = block_size
@@ -71,7 +84,8 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         # the model was loaded onto the engine's device: the pool, inputs and sampling follow it
         self.device = next(self.model.parameters()).device
-        shape = kv_cache_shape(self.config, num_blocks, block_size)
+        self.kv_layout = choose_kv_layout(kv_layout, self.model, self.dtype, block_size, self.device)
+        shape = kv_cache_shape(self.config, num_blocks, block_size, self.kv_layout)
         # zeros, not empty: a slot read before it is written must never hold NaNs
         # that a masked-out attention weight of 0 would still turn into NaN.
         self.kv_caches = [zeros_on_huge_pages(shape, dtype=self.dtype, device=self.device)
@@ -87,7 +101,7 @@ class ModelRunner:
         # and which kernels are active (and why not) is known from the start.
         self.kernels = load_all() if self.device.type == "cpu" else {}
         # decode-only steps as one fixed sequence of kernel calls, where the model and kernels allow
-        self.decode_program = DecodeProgram.build(self.model, self.kv_caches)
+        self.decode_program = DecodeProgram.build(self.model, self.kv_caches, self.kv_layout)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -140,7 +154,7 @@ class ModelRunner:
         block_tables = tables.array[rows, :width]
         layout = token_layout(query_start_loc, seq_lens)
         common = AttentionMetadata.from_host(query_start_loc, seq_lens, block_tables, self.block_size,
-                                             self.device, layout)
+                                             self.device, layout, self.kv_layout)
         logit_rows = np.repeat(query_start_loc[1:] - 1, samples)
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),

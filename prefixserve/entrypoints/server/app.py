@@ -118,7 +118,7 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
                    for name, k in s.async_llm.info.kernels.items()}
         info = s.async_llm.info
         return JSONResponse({"status": "ok", "dtype": info.dtype, "dtype_reason": info.dtype_reason,
-                             "kernels": kernels})
+                             "kv_layout": info.kv_layout, "kernels": kernels})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

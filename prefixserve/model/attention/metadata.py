@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from prefixserve.model.kv_layout import ROWS, check_layout
+
 
 @dataclass
 class AttentionMetadata:
@@ -32,6 +34,11 @@ class AttentionMetadata:
     seq_lens_cpu: np.ndarray
     block_tables_cpu: np.ndarray
     max_query_len: int
+    # how the pools hold K/V (kv_layout.py): writes and reads follow it
+    kv_layout: str = ROWS
+
+    def __post_init__(self) -> None:
+        check_layout(self.kv_layout)
 
     @property
     def num_seqs(self) -> int:
@@ -48,7 +55,8 @@ class AttentionMetadata:
     @classmethod
     def from_host(cls, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
                   block_size: int, device: torch.device | str = "cpu",
-                  layout: tuple[np.ndarray, np.ndarray] | None = None) -> "AttentionMetadata":
+                  layout: tuple[np.ndarray, np.ndarray] | None = None,
+                  kv_layout: str = ROWS) -> "AttentionMetadata":
         """From int64 host arrays: query_start_loc [S + 1], seq_lens [S], block_tables [S, W] (0-padded).
 
         `layout` is token_layout(query_start_loc, seq_lens) when the caller computed it already.
@@ -68,6 +76,7 @@ class AttentionMetadata:
             seq_lens_cpu=seq_lens,
             block_tables_cpu=block_tables,
             max_query_len=max_query_len,
+            kv_layout=kv_layout,
         )
 
     @classmethod

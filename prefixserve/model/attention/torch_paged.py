@@ -1,8 +1,8 @@
 """Paged attention in PyTorch ops and the project's CPU kernels (and a reference for faster backends).
 
-Writes go through one index_copy_ per pool. Reads: every chunk of more than one
-query token in the step (fresh prompts and chunks continuing a cached context)
-is answered by one call of the native prefill kernel, which reads K/V straight
+Writes go through one indexed copy per pool (in the pool's layout: kv_layout.write_kv, natively
+for panels). Reads: every chunk of more than one query token in the step (fresh prompts and
+chunks continuing a cached context) is answered by one call of the native prefill kernel, which reads K/V straight
 from the pool (`native/paged_prefill_attention.c`); without it, each chunk
 gathers its sequence's blocks and runs one SDPA call. Every decode token of the
 step (query length 1) is answered together, reading each run of blocks shared
@@ -21,7 +21,9 @@ from prefixserve.model.attention.backend import AttentionBackend
 from prefixserve.model.attention.cascade import DecodePlan, plan_decode
 from prefixserve.model.attention.metadata import AttentionMetadata
 from prefixserve.model.attention.registry import register_backend
-from prefixserve.model.native import paged_prefill_attention
+from prefixserve.model.kv_layout import PANELS, ROWS, gather_rows, pool_geometry, write_kv
+from prefixserve.model.native.isa import AVX512_BF16
+from prefixserve.model.native import fused_pointwise, paged_prefill_attention
 from prefixserve.model.native.paged_decode_attention import DecodeState, KernelTables, PagedDecodeAttention, \
     default_kernel
 
@@ -48,15 +50,17 @@ class GatherBuffer:
             buf = self._buffer = torch.empty(size, dtype=dtype, device=device)
         return buf
 
-    def __call__(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `blocks`, each [len(blocks) * block_size, KVH, D], valid until the next call."""
-        block_shape = kv_cache.shape[2:]
-        per_pool = blocks.numel() * block_shape.numel()
+    def __call__(self, kv_cache: torch.Tensor, blocks: torch.Tensor,
+                 layout: str = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `blocks` (a pool in `layout`), each [len(blocks) * block_size, KVH, D] token rows, valid
+        until the next call."""
+        _, block_size, kv_heads, head_dim = pool_geometry(kv_cache, layout)
+        block_shape = (block_size, kv_heads, head_dim)
+        per_pool = blocks.numel() * block_size * kv_heads * head_dim
         buf = self.flat(2 * per_pool, kv_cache.dtype, kv_cache.device)
         keys = buf[:per_pool].view(blocks.numel(), *block_shape)
         values = buf[per_pool: 2 * per_pool].view(blocks.numel(), *block_shape)
-        torch.index_select(kv_cache[0], 0, blocks, out=keys)
-        torch.index_select(kv_cache[1], 0, blocks, out=values)
+        gather_rows(kv_cache, layout, blocks, keys, values)
         return keys.flatten(0, 1), values.flatten(0, 1)
 
 
@@ -87,11 +91,19 @@ class TorchPagedAttention(AttentionBackend):
         # prefill chunks and decode read K/V straight from the pool where the native kernels are available
         self._decode_kernel = default_kernel() if use_native else None
         self._prefill_kernel = paged_prefill_attention.default_kernel() if use_native else None
+        # writes into a pool of panels (torch's indexed copy through their strides: 8x the time)
+        self._writer = fused_pointwise.default_kernel() if use_native else None
 
     @property
     def decode_kernel(self) -> PagedDecodeAttention | None:
         """The native decode kernel this backend runs where a step's metadata holds its tables."""
         return self._decode_kernel
+
+    @property
+    def reads_panels(self) -> bool:
+        """Whether both native kernels run the bfloat16 tiles, the ones that read a pool of panels."""
+        return (self._decode_kernel is not None and self._prefill_kernel is not None
+                and self._decode_kernel.body == AVX512_BF16 and self._prefill_kernel.body == AVX512_BF16)
 
     def build_metadata(self, common: AttentionMetadata) -> TorchPagedMetadata:
         # the native kernel carries a run's state into a sequence's own blocks at a softmax tile's edge
@@ -106,28 +118,30 @@ class TorchPagedAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 step: TorchPagedMetadata, scale: float) -> torch.Tensor:
         meta = step.common
-        num_kv_heads, head_dim = kv_cache.shape[-2:]
-        k_pool = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        v_pool = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        k_pool.index_copy_(0, meta.slot_mapping, k)
-        v_pool.index_copy_(0, meta.slot_mapping, v)
+        layout = meta.kv_layout
+        if layout == PANELS and self._writer is not None and kv_cache.is_cpu:
+            self._writer.write_panels(kv_cache, meta.slot_mapping, k, v)
+        else:
+            write_kv(kv_cache, layout, meta.slot_mapping, k, v)
 
         out = q.new_empty(q.shape)
         if meta.max_query_len > 1:
             kernel = self._prefill_kernel
-            if kernel is not None and kernel.supports(q, kv_cache):
+            if kernel is not None and kernel.supports(q, kv_cache) and (layout == ROWS or self.reads_panels):
                 # every chunk of the step in one call, K/V read from the pool (its own already written there)
-                kernel(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, out=out,
+                kernel.for_layout(layout)(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+                                          out=out,
                        min_query_len=2, scratch=lambda n: self._gather.flat(n, torch.float32, q.device))
             else:
                 self._prefill(q, k, v, kv_cache, meta, scale, out)
         plan = step.decode
         if plan is not None:
             kernel = self._decode_kernel
-            if kernel is not None and (step.native is None or not kernel.supports(q, kv_cache)):
+            if kernel is not None and (step.native is None or not kernel.supports(q, kv_cache)
+                                       or (layout == PANELS and not self.reads_panels)):
                 kernel = None
-            result = _decode(q if plan.all_rows else q.index_select(0, plan.rows), kv_cache, plan, scale,
-                             self._gather, kernel, step.native)
+            result = _decode(q if plan.all_rows else q.index_select(0, plan.rows), kv_cache, layout, plan, scale,
+                             self._gather, kernel and kernel.for_layout(layout), step.native)
             if plan.all_rows:
                 out.copy_(result)
             else:
@@ -146,7 +160,7 @@ class TorchPagedAttention(AttentionBackend):
                     out[rows] = _attend(q[rows], k[rows], v[rows], None, scale)
                 else:
                     used = -(-seq_len // meta.block_size)
-                    keys, values = self._gather(kv_cache, meta.block_tables[s, :used])
+                    keys, values = self._gather(kv_cache, meta.block_tables[s, :used], meta.kv_layout)
                     keys, values = keys[:seq_len], values[:seq_len]
                     visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device)
                     visible = visible.tril(diagonal=seq_len - q_len)
@@ -154,7 +168,7 @@ class TorchPagedAttention(AttentionBackend):
             start += q_len
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: float,
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layout: str, plan: DecodePlan, scale: float,
             gather: GatherBuffer, kernel: PagedDecodeAttention | None,
             tables: NativeDecodeTables | None) -> torch.Tensor:
     """Single-token queries q [N, H, D] over their contexts, each shared run read once.
@@ -163,13 +177,13 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: fl
     grouped-query attention needs no K/V expansion.
     """
     n, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[-2]
+    num_kv_heads = pool_geometry(kv_cache, layout)[2]
     group = num_heads // num_kv_heads
     # float32 until the result is rounded once: in bfloat16 a second rounding flips greedy tokens
     queries = q.view(n, num_kv_heads, group, head_dim).float()
     if kernel is not None:
         return _decode_native(queries, kv_cache, plan, tables, scale, kernel).reshape(n, num_heads, head_dim)
-    return _decode_gathered(queries, kv_cache, plan, scale, gather).reshape(n, num_heads, head_dim)
+    return _decode_gathered(queries, kv_cache, layout, plan, scale, gather).reshape(n, num_heads, head_dim)
 
 
 def _stacked(queries: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
@@ -200,13 +214,13 @@ def _decode_native(queries: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePl
     return out
 
 
-def _decode_gathered(queries: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: float,
+def _decode_gathered(queries: torch.Tensor, kv_cache: torch.Tensor, layout: str, plan: DecodePlan, scale: float,
                      gather: GatherBuffer) -> torch.Tensor:
     """Without the native kernel: the suffixes through one padded gather, each shared run through one
     gather, merged exactly through their log-sum-exps (the cascade / split-K trick of FlashInfer and
     flash-decoding; equal to one pass up to float32 rounding, not bit for bit)."""
     n, num_kv_heads, group, head_dim = queries.shape
-    keys, values = gather(kv_cache, plan.suffix_tables.view(-1))
+    keys, values = gather(kv_cache, plan.suffix_tables.view(-1), layout)
     keys = keys.view(n, -1, num_kv_heads, head_dim).transpose(1, 2).float()
     values = values.view(n, -1, num_kv_heads, head_dim).transpose(1, 2).float()
     bias = None
@@ -217,7 +231,7 @@ def _decode_gathered(queries: torch.Tensor, kv_cache: torch.Tensor, plan: Decode
     for run in plan.shared:
         members = run.members
         m = len(members)
-        run_keys, run_values = gather(kv_cache, run.blocks)
+        run_keys, run_values = gather(kv_cache, run.blocks, layout)
         run_keys, run_values = run_keys.transpose(0, 1)[None].float(), run_values.transpose(0, 1)[None].float()
         run_out, run_lse = attention_with_lse(_stacked(queries, members), run_keys, run_values, None, scale)
         run_out, run_lse = _unstacked(run_out, m), _unstacked(run_lse, m)

@@ -371,19 +371,25 @@ static inline void gather_transposed_pool(const void* pool, int bf16, const long
 typedef struct {
     const char* pool;
     const long* table;          /* the block table of the keys' sequence */
-    long elt, block_size, token_stride, v_offset, head, row_bytes;
+    long elt, block_size, token_stride, v_offset, row_bytes;
+    long head, slot_stride;     /* where the head's row (panel) of slot 0 lies in its block, elements a slot */
+    long step;                  /* keys a row: 1, or KP in a pool of panels (a panel's K, and its V pairs) */
     long j, j1, c;              /* the next key and byte of its row to request; the key to stop before */
     long block, slot;           /* key j's entry of the table and slot in its block (no division per line) */
     long per;                   /* lines of K (and as many of V) a request_more asks for */
     int to_l2;                  /* requested into L2 rather than L1 */
 } TileRequest;
 
-/* keys [j0, j1) (none where j1 <= j0), asked for over `points` calls of request_more */
-static inline TileRequest tile_request(const void* pool, long elt, const long* table, long block_size,
+/* keys [j0, j1) (none where j1 <= j0; j0 a multiple of KP in a pool of panels), asked for over `points`
+ * calls of request_more; `head` the head's element in a token's row (h * d) */
+static inline TileRequest tile_request(const void* pool, int panels, long elt, const long* table, long block_size,
                                        long token_stride, long v_offset, long head, long d, long j0, long j1,
                                        long points, int to_l2) {
-    const long row_bytes = d * elt, lines = j1 > j0 ? (j1 - j0) * ((row_bytes + 63) / 64) : 0;
-    return (TileRequest){(const char*)pool, table, elt, block_size, token_stride, v_offset, head, row_bytes,
+    const long step = panels ? KP : 1, row_bytes = d * elt * step;
+    if (panels && j1 > j0) j1 = round_up(j1, KP);
+    const long lines = j1 > j0 ? (j1 - j0) / step * ((row_bytes + 63) / 64) : 0;
+    return (TileRequest){(const char*)pool, table, elt, block_size, token_stride, v_offset, row_bytes,
+                         panels ? head * block_size : head, panels ? d : token_stride, step,
                          j0, j1, 0, j0 / block_size, j0 % block_size, (lines + points - 1) / points, to_l2};
 }
 
@@ -391,20 +397,21 @@ static inline TileRequest tile_request(const void* pool, long elt, const long* t
 static inline void request_more(TileRequest* t) {
     if (!t) return;
     for (long n = 0; n < t->per && t->j < t->j1; n++) {
-        const char* row = t->pool + t->elt * ((t->table[t->block] * t->block_size + t->slot) * t->token_stride + t->head);
+        const char* row = t->pool + t->elt * (t->table[t->block] * t->block_size * t->token_stride
+                                              + t->slot * t->slot_stride + t->head);
         request_line(row + t->c, t->to_l2);
         request_line(row + t->elt * t->v_offset + t->c, t->to_l2);
         if ((t->c += 64) >= t->row_bytes) {
             t->c = 0;
-            t->j++;
-            if (++t->slot == t->block_size) { t->slot = 0; t->block++; }
+            t->j += t->step;
+            if ((t->slot += t->step) == t->block_size) { t->slot = 0; t->block++; }
         }
     }
 }
 
 /* whatever the request has not asked for yet (a tile whose panels skipped some of the calls) */
 static inline void request_rest(TileRequest* t) {
-    t->per = t->j1 > t->j ? (t->j1 - t->j) * ((t->row_bytes + 63) / 64) : 0;
+    t->per = t->j1 > t->j ? (t->j1 - t->j) / t->step * ((t->row_bytes + 63) / 64) : 0;
     request_more(t);
 }
 
@@ -484,15 +491,17 @@ AVX512_TARGET static void pack_query_words(const void* const* rows, int widened,
 /* the rows of row panel p of `panels` whose last holds `last` rows */
 static inline int panel_rows(long p, long panels, long last) { return p == panels - 1 ? (int)last : MR; }
 
-/* s[r, 0..16 np) = qscale * sum_i qw[i, r] . panel_j[i, 0..16) over np = 1-4 consecutive word panels, r < nr */
-AVX512_BF16_TARGET static ALWAYS_INLINE void tile_qk512_bf16(const unsigned* qw, const float* kp, long d, float* s,
-                                                            long lds, __m512 qscale, const int np, const int nr) {
+/* s[r, 0..16 np) = qscale * sum_i qw[i, r] . panel_j[i, 0..16) over np = 1-4 word panels (kp[j]: where panel j
+ * starts, packed or in a pool of panels), r < nr */
+AVX512_BF16_TARGET static ALWAYS_INLINE void tile_qk512_bf16(const unsigned* qw, const float* const* kp, long d,
+                                                            float* s, long lds, __m512 qscale, const int np,
+                                                            const int nr) {
     __m512 c[MR][4];
     for (int r = 0; r < nr; r++)
         for (int j = 0; j < np; j++) c[r][j] = _mm512_setzero_ps();
     for (long i = 0; i < d / 2; i++, qw += MR) {
         __m512bh k[4];
-        for (int j = 0; j < np; j++) k[j] = (__m512bh)_mm512_loadu_ps(kp + j * KP * d / 2 + i * KP);
+        for (int j = 0; j < np; j++) k[j] = (__m512bh)_mm512_loadu_ps(kp[j] + i * KP);
         for (int r = 0; r < nr; r++) {
             __m512bh a = (__m512bh)_mm512_set1_epi32((int)qw[r]);
             for (int j = 0; j < np; j++) c[r][j] = _mm512_dpbf16_ps(c[r][j], a, k[j]);
@@ -502,16 +511,18 @@ AVX512_BF16_TARGET static ALWAYS_INLINE void tile_qk512_bf16(const unsigned* qw,
         for (int j = 0; j < np; j++) _mm512_storeu_ps(s + r * lds + j * KP, _mm512_mul_ps(qscale, c[r][j]));
 }
 
-/* One tile's scores over the row panels, the last holding `last` rows (1..MR) */
-AVX512_BF16_TARGET static void scores512_bf16(const unsigned* qw, const float* kt, long d, float* s, const long* vis,
-                                              long panels, long last, float qscale, TileRequest* ahead) {
+/* One tile's scores over the row panels, the last holding `last` rows (1..MR); kp: where the tile's KT / KP
+ * key panels start */
+AVX512_BF16_TARGET static void scores512_bf16(const unsigned* qw, const float* const* kp, long d, float* s,
+                                              const long* vis, long panels, long last, float qscale,
+                                              TileRequest* ahead) {
     const __m512 qs = _mm512_set1_ps(qscale);
     for (long kk = 0; kk * KP < KT; kk += 4)
         for (long p = 0; p < panels; p++) {
             if (kk == 0) request_more(ahead);
             float* sp = s + p * MR * KT + kk * KP;
             const unsigned* q = qw + p * MR * (d / 2);
-            const float* k = kt + kk * KP * d / 2;
+            const float* const* k = kp + kk;
             const int nr = panel_rows(p, panels, last);
             switch (panels_seen(vis[p], kk)) {
                 case 4: FOR_ROWS(nr, tile_qk512_bf16, q, k, d, sp, KT, qs, 4); break;
@@ -536,13 +547,9 @@ static inline void tile_rows(const long* table, long block_size, long token_stri
 }
 
 
-/* The V rows of a panel of 16 keys (at[j]: where key j's K row starts, negative past the sequence) as
- * bfloat16 pairs of neighbouring keys: slab c (16 columns) holds keys / 2 rows of 16 words from
- * vr + c * keys / 2 on, word (i, e) = V[2i][c + e] (low half) and V[2i + 1][c + e] (high half); key jj of
- * the panel is key first + jj (first even). Half the bytes of widened slabs, and no widening. */
 /* 16 columns of the V rows of two neighbouring keys (x, y) as word pairs: *cols0 holds columns 0-7, *cols1
  * columns 8-15, word e = (x[e] low half, y[e] high half). The one definition of the pair layout, for the
- * slabs packed here and the pairs decode's few-row tiles interleave as they read. */
+ * pair rows packed here, the pairs decode's few-row tiles interleave as they read, and a pool of panels. */
 static inline void pair_keys_bf16(__m256i x, __m256i y, __m256i* cols0, __m256i* cols1) {
     /* per 128-bit lane: columns 0-3 (lo) and 4-7 (hi) of the lane, each interleaved with the next key */
     const __m256i lo = _mm256_unpacklo_epi16(x, y), hi = _mm256_unpackhi_epi16(x, y);
@@ -550,8 +557,11 @@ static inline void pair_keys_bf16(__m256i x, __m256i y, __m256i* cols0, __m256i*
     *cols1 = _mm256_permute2x128_si256(lo, hi, 0x31);
 }
 
-static void pack_values_bf16(const void* pool, const long* at, long v_offset, long d, float* vr, long keys,
-                             long first) {
+/* The V rows of a panel of 16 keys (at[j]: where key j's K row starts, negative past the sequence) as
+ * bfloat16 pairs of neighbouring keys into KP / 2 pair rows of D words from vp on: word (i, e) = V[2i][e]
+ * (low half) and V[2i + 1][e] (high half). Half the bytes of widened slabs, and no widening; a panel's
+ * pairs have the layout a pool of panels holds them in (kv_layout.py), so the tiles read either. */
+static void pack_values_bf16(const void* pool, const long* at, long v_offset, long d, float* vp) {
     const unsigned short* pv = (const unsigned short*)pool;
     for (long jj = 0; jj < KP; jj += 2) {
         const long a = at[jj] >= 0 ? at[jj] + v_offset : -1, b = at[jj + 1] >= 0 ? at[jj + 1] + v_offset : -1;
@@ -560,7 +570,7 @@ static void pack_values_bf16(const void* pool, const long* at, long v_offset, lo
             const __m256i y = b >= 0 ? _mm256_loadu_si256((const __m256i*)(pv + b + c)) : _mm256_setzero_si256();
             __m256i cols0, cols1;
             pair_keys_bf16(x, y, &cols0, &cols1);
-            float* dst = vr + c * keys / 2 + (first + jj) / 2 * 16;
+            float* dst = vp + jj / 2 * d + c;
             _mm256_storeu_si256((__m256i*)dst, cols0);
             _mm256_storeu_si256((__m256i*)(dst + 8), cols1);
         }
@@ -589,30 +599,36 @@ AVX512_BF16_TARGET static ALWAYS_INLINE void pv_pair_bf16(__m512 (*acc)[4], cons
     }
 }
 
-/* o[r, 0..16 ns) = alpha[r] * o[r, ..] + sum over key pairs i < pairs of pw[r, 2i..2i+1] . slab_k[i] for r < nr,
- * ns = 1-4 slabs of V pairs (slab k at v + k * slab floats) */
+/* o[r, 0..16 ns) = alpha[r] * o[r, ..] (alpha NULL: o as it is) + sum over key pairs i < pairs of
+ * pw[r, 2i..2i+1] . (pair row i)[c..c + 16 ns) for r < nr, ns = 1-4 vectors: pair row i is row i % 8 of the
+ * tile's panel i / 8, vp[panel] its first (D words a row) */
 AVX512_BF16_TARGET static ALWAYS_INLINE void tile_pv512_bf16(float* o, long ldo, const unsigned short* pw, long ldp,
-                                                            const float* v, long slab, long pairs, const float* alpha,
-                                                            const int ns, const int nr) {
-    __m512 c[MR][4];
-    for (int r = 0; r < nr; r++) {
-        __m512 a = _mm512_set1_ps(alpha[r]);
-        for (int k = 0; k < ns; k++) c[r][k] = _mm512_mul_ps(a, _mm512_loadu_ps(o + r * ldo + 16 * k));
-    }
-    for (long i = 0; i < pairs; i++) {
-        __m512bh x[4];
-        for (int k = 0; k < ns; k++) x[k] = (__m512bh)_mm512_loadu_ps(v + k * slab + i * 16);
-        pv_pair_bf16(c, pw, ldp, i, x, nr, ns);
+                                                            const float* const* vp, long d, long c, long pairs,
+                                                            const float* alpha, const int ns, const int nr) {
+    __m512 acc[MR][4];
+    for (int r = 0; r < nr; r++)
+        for (int k = 0; k < ns; k++) {
+            const __m512 x = _mm512_loadu_ps(o + r * ldo + 16 * k);
+            acc[r][k] = alpha ? _mm512_mul_ps(_mm512_set1_ps(alpha[r]), x) : x;
+        }
+    for (long i0 = 0, pan = 0; i0 < pairs; i0 += KP / 2, pan++) {
+        const float* v = vp[pan] + c;
+        const long n = pairs - i0 < KP / 2 ? pairs - i0 : KP / 2;
+        for (long i = 0; i < n; i++) {
+            __m512bh x[4];
+            for (int k = 0; k < ns; k++) x[k] = (__m512bh)_mm512_loadu_ps(v + i * d + 16 * k);
+            pv_pair_bf16(acc, pw, ldp, i0 + i, x, nr, ns);
+        }
     }
     for (int r = 0; r < nr; r++)
-        for (int k = 0; k < ns; k++) _mm512_storeu_ps(o + r * ldo + 16 * k, c[r][k]);
+        for (int k = 0; k < ns; k++) _mm512_storeu_ps(o + r * ldo + 16 * k, acc[r][k]);
 }
 
-/* values512 over bfloat16 probabilities (probabilities_bf16) and V pair slabs (pack_values_bf16, slab c
- * from vr + c * keys / 2 on, the tile's first key k0 even), the last row panel holding `last` rows;
- * D % 16 == 0 */
-AVX512_BF16_TARGET static void values512_bf16(float* o, long d, const unsigned short* pw, const float* vr, long keys,
-                                              long k0, const long* vis, const float* alpha, long panels, long last,
+/* values512 over bfloat16 probabilities (probabilities_bf16) and the tile's V pair rows (vp[panel]: where
+ * each of its KT / KP panels' pair rows start, packed by pack_values_bf16 or in a pool of panels), the last
+ * row panel holding `last` rows; D % 16 == 0 */
+AVX512_BF16_TARGET static void values512_bf16(float* o, long d, const unsigned short* pw, const float* const* vp,
+                                              const long* vis, const float* alpha, long panels, long last,
                                               TileRequest* ahead) {
     for (long c = 0; c < d;) {
         const int ns = d - c >= 64 ? 4 : (int)((d - c) / 16);
@@ -621,15 +637,14 @@ AVX512_BF16_TARGET static void values512_bf16(float* o, long d, const unsigned s
             request_more(ahead);
             float* op = o + p * MR * d + c;
             const unsigned short* pp = pw + p * MR * KT;
-            const float* v = vr + c * keys / 2 + k0 / 2 * 16;
             const long pairs = (vis[p] + 1) / 2;
             const float* a = alpha + p * MR;
             const int nr = panel_rows(p, panels, last);
             switch (ns) {
-                case 4: FOR_ROWS(nr, tile_pv512_bf16, op, d, pp, KT, v, 8 * keys, pairs, a, 4); break;
-                case 3: FOR_ROWS(nr, tile_pv512_bf16, op, d, pp, KT, v, 8 * keys, pairs, a, 3); break;
-                case 2: FOR_ROWS(nr, tile_pv512_bf16, op, d, pp, KT, v, 8 * keys, pairs, a, 2); break;
-                default: FOR_ROWS(nr, tile_pv512_bf16, op, d, pp, KT, v, 8 * keys, pairs, a, 1); break;
+                case 4: FOR_ROWS(nr, tile_pv512_bf16, op, d, pp, KT, vp, d, c, pairs, a, 4); break;
+                case 3: FOR_ROWS(nr, tile_pv512_bf16, op, d, pp, KT, vp, d, c, pairs, a, 3); break;
+                case 2: FOR_ROWS(nr, tile_pv512_bf16, op, d, pp, KT, vp, d, c, pairs, a, 2); break;
+                default: FOR_ROWS(nr, tile_pv512_bf16, op, d, pp, KT, vp, d, c, pairs, a, 1); break;
             }
         }
         c += 16 * ns;
@@ -650,12 +665,12 @@ static void pack_panel_keys(const void* pool, int bf16, int key_words, const lon
 
 /* pack_panel_keys, and the panel's V rows (v_offset elements after its K rows) into the column slabs of
  * vr, the first key being key `first`: slab c holds `keys` rows of w = min(16, D - c) floats from
- * vr + c * keys on (with key_words, pairs of keys: pack_values_bf16). */
+ * vr + c * keys on (with key_words, the panel's pair rows from vr + first / 2 * D on: pack_values_bf16). */
 static void pack_panel(const void* pool, int bf16, int key_words, const long* at, long v_offset, long d, float* kt,
                        float* vr, long keys, long first) {
     pack_panel_keys(pool, bf16, key_words, at, d, kt);
     if (key_words) {
-        pack_values_bf16(pool, at, v_offset, d, vr, keys, first);
+        pack_values_bf16(pool, at, v_offset, d, vr + first / 2 * d);
         return;
     }
     for (long jj = 0; jj < KP; jj++) {
@@ -669,6 +684,36 @@ static void pack_panel(const void* pool, int bf16, int key_words, const long* at
         if (c < d)
             _mm256_storeu_ps(vr + c * keys + (first + jj) * 8, v >= 0 ? pool_load8(pool, bf16, v + c) : _mm256_setzero_ps());
     }
+}
+
+/* A pool of panels (kv_layout.py, bfloat16 pools read by the bfloat16 body): block blk holds KV head h's
+ * keys at element (blk * KVH + h) * block_size * D of the K pool, as block_size / KP panels of [D/2][KP]
+ * words (pack_keys_bf16's layout), and their values v_offset elements later as block_size / 2 pair rows
+ * of D words (pack_values_bf16's). A tile reads a whole panel where it lies: no transposes, and one
+ * head's keys of a block are one run of memory instead of rows KVH * D apart. */
+
+/* where the K panel holding keys key .. key + KP (key a multiple of KP) of KV head h lies in a pool of
+ * panels; its V pair rows lie v_offset elements later ((key % block_size) * D either way) */
+static inline long panel_start(const long* table, long block_size, long token_stride, long h, long d, long key) {
+    return table[key / block_size] * block_size * token_stride + (h * block_size + key % block_size) * d;
+}
+
+/* A panel of a pool of panels (K at element k_at, V pairs at v_at) whose keys from `valid` on lie past
+ * the sequence, copied into kt and vp with those keys' words zero: a slot not yet written may hold
+ * whatever its block held before, and a probability of 0 times a NaN left there is still NaN. */
+AVX512_TARGET static void copy_panel(const void* pool, long k_at, long v_at, long d, long valid, float* kt, float* vp) {
+    const unsigned short* pk = (const unsigned short*)pool;
+    const __mmask16 keys = valid >= KP ? 0xFFFF : (__mmask16)((1u << valid) - 1);
+    for (long i = 0; i < d / 2; i++)
+        _mm512_storeu_ps(kt + i * KP, _mm512_maskz_loadu_ps(keys, (const float*)(pk + k_at) + i * KP));
+    const __m512i low = _mm512_set1_epi32(0xFFFF);
+    for (long p = 0; p < KP / 2; p++)
+        for (long c = 0; c < d; c += 16) {
+            __m512i w = _mm512_loadu_si512((const float*)(pk + v_at) + p * d + c);
+            if (2 * p >= valid) w = _mm512_setzero_si512();
+            else if (2 * p + 1 >= valid) w = _mm512_and_si512(w, low);
+            _mm512_storeu_si512(vp + p * d + c, w);
+        }
 }
 
 /* One tile's S = Q K^T: for each 6-row panel p of Q (qp, [D][6] each), the 16-key panels from kt on

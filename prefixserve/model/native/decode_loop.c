@@ -27,12 +27,14 @@ typedef void (*GemmFn)(const uint16_t* x, const uint16_t* wp, const float* bias,
                        int threads);
 typedef void (*QkFn)(const uint16_t* qkv, long row_stride, long q_heads, long k_heads, long d, const uint16_t* q_weight,
                      const uint16_t* k_weight, float eps, const uint16_t* cos, const uint16_t* sin, uint16_t* q_out,
-                     uint16_t* k_out, uint16_t* v_out, const long* slots, long rows, int threads);
+                     uint16_t* k_out, uint16_t* v_out, const long* slots, long rows, long block_size, int layout,
+                     int threads);
 typedef void (*SiluFn)(const uint16_t* gate_up, uint16_t* out, long rows, long n, int threads);
 typedef void (*AttentionFn)(const float* q, const void* pool, int pool_bf16, const long* tables, const long* lens,
                             long batch, long kv_heads, long rows, long head_dim, long num_blocks, long block_size,
                             long table_width, float scale, float* out, float* lse, float* state_m, float* state_l,
-                            int carry_in, int finalize, const long* members, long group, int body, int threads);
+                            int carry_in, int finalize, const long* members, long group, int body, int layout,
+                            int threads);
 
 /* Pointers to model data are uint16_t for bfloat16; a float32 model's are passed as they are (the kernels
  * reached through them are the float32 ones), and the two copies below are skipped. */
@@ -59,7 +61,7 @@ typedef struct {
     float *out, *lse, *state_m, *state_l;
     const long* members;
     long group;
-    int pool_bf16, carry_in, finalize, body;
+    int pool_bf16, carry_in, finalize, body, layout;
 } AttentionCall;
 
 /* The step: its kernels, shapes, buffers (rows x width each), attention calls, and the state the calls
@@ -71,6 +73,8 @@ typedef struct {
     SiluFn silu;
     AttentionFn attention;
     long rows, hidden, q_size, qkv_size, intermediate, heads, kv_heads, head_dim;
+    long block_size;             /* the pools' (for the K/V writes into a pool of panels) */
+    int layout;                  /* the pools' layout (kv_layout.py's code) */
     float eps, qk_eps;
     uint16_t *residual, *h, *mlp_out, *qkv, *q, *attn, *o, *gate_up, *act;
     const uint16_t *cos, *sin;
@@ -121,7 +125,7 @@ void decode_layers(const DecodeStep* s, const DecodeLayer* layers, long count) {
         s->gemm(s->h, L->qkv, L->qkv_bias, s->qkv, n, s->qkv_size, s->hidden, s->threads);
         /* the step's K/V rows go straight into the layer's pools */
         s->qk(s->qkv, s->qkv_size, s->heads, s->kv_heads, s->head_dim, L->q_norm, L->k_norm, s->qk_eps, s->cos, s->sin,
-              s->q, L->k_rows, L->v_rows, s->slots, n, s->threads);
+              s->q, L->k_rows, L->v_rows, s->slots, n, s->block_size, s->layout, s->threads);
         if ((void*)s->queries != (void*)s->q) widen(s->q, s->queries, n * width);
         if (s->fill_acc) {
             memset(s->fill_acc, 0, sizeof(float) * n * width);
@@ -132,7 +136,7 @@ void decode_layers(const DecodeStep* s, const DecodeLayer* layers, long count) {
             const AttentionCall* a = s->calls + c;
             s->attention(a->q, L->pool, a->pool_bf16, a->tables, a->lens, a->batch, a->kv_heads, a->rows, a->head_dim,
                          a->num_blocks, a->block_size, a->table_width, a->scale, a->out, a->lse, a->state_m, a->state_l,
-                         a->carry_in, a->finalize, a->members, a->group, a->body, s->threads);
+                         a->carry_in, a->finalize, a->members, a->group, a->body, a->layout, s->threads);
         }
         if ((const void*)s->result != (void*)s->attn) narrow(s->result, s->attn, n * width);
         s->gemm(s->attn, L->o, L->o_bias, s->o, n, s->hidden, s->q_size, s->threads);

@@ -28,12 +28,12 @@ class AttentionCall(ctypes.Structure):
                                               "table_width")]
                 + [("scale", _float), ("out", _p), ("lse", _p), ("state_m", _p), ("state_l", _p), ("members", _p),
                    ("group", _long)]
-                + [(name, _int) for name in ("pool_bf16", "carry_in", "finalize", "body")])
+                + [(name, _int) for name in ("pool_bf16", "carry_in", "finalize", "body", "layout")])
 
     # the attention kernel's C arguments in order (paged_decode_attention.c), pool and threads left out
     ARGUMENTS = ("q", None, "pool_bf16", "tables", "lens", "batch", "kv_heads", "rows", "head_dim", "num_blocks",
                  "block_size", "table_width", "scale", "out", "lse", "state_m", "state_l", "carry_in", "finalize",
-                 "members", "group", "body", None)
+                 "members", "group", "body", "layout", None)
 
     @classmethod
     def from_arguments(cls, arguments: list) -> "AttentionCall":
@@ -47,8 +47,8 @@ class DecodeStep(ctypes.Structure):
     """A step's kernels (function addresses), shapes, buffers and attention calls."""
     _fields_ = ([(name, _p) for name in ("norm", "gemm", "qk", "silu", "attention")]
                 + [(name, _long) for name in ("rows", "hidden", "q_size", "qkv_size", "intermediate", "heads",
-                                              "kv_heads", "head_dim")]
-                + [("eps", _float), ("qk_eps", _float)]
+                                              "kv_heads", "head_dim", "block_size")]
+                + [("layout", _int), ("eps", _float), ("qk_eps", _float)]
                 + [(name, _p) for name in ("residual", "h", "mlp_out", "qkv", "q", "attn", "o", "gate_up", "act",
                                            "cos", "sin", "slots", "queries", "result", "fill_acc", "fill_m",
                                            "fill_l", "calls")]

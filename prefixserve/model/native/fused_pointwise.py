@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from prefixserve.model.kv_layout import LAYOUT_CODES, PANELS, ROWS, check_layout, panels_fit
 from prefixserve.model.native.build import load_default, load_kernel
 from prefixserve.model.native.isa import AVX2, ISAS, best_isa
 
@@ -37,10 +38,15 @@ class FusedPointwise:
         wide = "" if self.body == AVX2 else "_512"
         argtypes = {"add_rms_norm": [_float_p, _float_p, _float_p, _float, _float_p, _long, _long, _int],
                     "qk_norm_rope": [_float_p, _long, _long, _long, _long, _float_p, _float_p, _float,
-                                     _float_p, _float_p, _float_p, _float_p, _float_p, _float_p, _long, _int],
+                                     _float_p, _float_p, _float_p, _float_p, _float_p, _float_p, _long, _long, _int,
+                                     _int],
                     "silu_and_mul": [_float_p, _float_p, _long, _long, _int]}
         # float32 and bfloat16 take the same signatures (pointers are untyped here)
         self._fns = {}
+        self._write_panels = library.write_panels_bf16
+        self._write_panels.argtypes = ([_float_p, _long, _float_p, _long, _float_p, _float_p, _float_p]
+                                       + [_long] * 4 + [_int])
+        self._write_panels.restype = None
         for name in self.NAMES:
             for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
                 fn = getattr(library, name + suffix + wide)
@@ -93,12 +99,13 @@ class FusedPointwise:
     def qk_norm_rope(self, qkv: torch.Tensor, q_heads: int, k_heads: int, head_dim: int,
                      q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                      cos: torch.Tensor, sin: torch.Tensor,
-                     pools: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                     pools: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, layout: str = ROWS
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q [T, q_heads, D] and k [T, k_heads, D], contiguous, from the leading columns of qkv [T, >= (q+k) D]:
         each head RMS-normed (when weights are given) and rotated by cos/sin [T, D / 2] (any view of those).
-        pools = (k_pool, v_pool, slots): k is not returned but written into row slots[t] of k_pool
-        [S, k_heads, D], and v (the k_heads heads after k in qkv, as they are) into the same row of v_pool."""
+        pools = (k_pool, v_pool, slots): k is not returned but written into slot slots[t] of k_pool, and v (the
+        k_heads heads after k in qkv, as they are) into the same slot of v_pool: pools of rows [S, k_heads, D]
+        or, with layout "panels", a pool's K and V [NB, k_heads, BS, D] (kv_layout.py)."""
         tokens = qkv.shape[0]
         half = head_dim // 2
         heads = q_heads + (2 if pools is not None else 1) * k_heads
@@ -111,16 +118,32 @@ class FusedPointwise:
                           and t.numel() == tokens * half)
                     else t.reshape(tokens, half).to(qkv.dtype).contiguous() for t in (cos, sin))
         q = qkv.new_empty(tokens, q_heads, head_dim)
+        block_size = 0
         if pools is None:
             k, v, slots = qkv.new_empty(tokens, k_heads, head_dim), None, None
         else:
             k, v, slots = pools
-            check_slots(k, v, slots, tokens, (k_heads, head_dim), qkv.dtype)
+            block_size = check_slots(k, v, slots, tokens, (k_heads, head_dim), qkv.dtype, layout)
         self.function("qk_norm_rope", qkv.dtype)(qkv.data_ptr(), qkv.stride(0), q_heads, k_heads, head_dim,
                                                  _ptr(q_weight), _ptr(k_weight), eps, cos.data_ptr(), sin.data_ptr(),
                                                  q.data_ptr(), k.data_ptr(), _ptr(v), _ptr(slots), tokens,
-                                                 torch.get_num_threads())
+                                                 block_size, LAYOUT_CODES[layout], torch.get_num_threads())
         return q, (k if pools is None else None)
+
+    def write_panels(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Tokens' K and V [T, KVH, D] (rows of any stride, each token's heads contiguous) into their slots of
+        one layer's bfloat16 pool of panels (kv_layout.py): what kv_layout.write_kv does, natively."""
+        _, _, kv_heads, _, head_dim = kv_cache.shape
+        tokens = slots.shape[0]
+        for name, x in (("k", k), ("v", v)):
+            if (x.shape != (tokens, kv_heads, head_dim) or x.dtype is not torch.bfloat16 or not x.is_cpu
+                    or x.stride(2) != 1 or x.stride(1) != head_dim):
+                raise ValueError(f"write_panels: {name} {tuple(x.shape)} {x.dtype} is not [{tokens}, {kv_heads}, "
+                                 f"{head_dim}] bfloat16 CPU rows of contiguous heads")
+        block_size = check_slots(kv_cache[0], kv_cache[1], slots, tokens, (kv_heads, head_dim), torch.bfloat16, PANELS)
+        self._write_panels(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kv_cache[0].data_ptr(),
+                           kv_cache[1].data_ptr(), slots.data_ptr(), tokens, kv_heads, head_dim, block_size,
+                           torch.get_num_threads())
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up [T, 2 I] holding gate then up in each row: [T, I]."""
@@ -133,19 +156,31 @@ class FusedPointwise:
 
 
 def check_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, tokens: int,
-                row: tuple[int, int], dtype: torch.dtype) -> None:
-    """Raises ValueError unless the pools are contiguous [S, *row] CPU tensors in `dtype` and slots holds
-    `tokens` int64 indices into them: the C code writes where the slots say, unchecked."""
+                row: tuple[int, int], dtype: torch.dtype, layout: str = ROWS) -> int:
+    """Raises ValueError unless the pools are contiguous CPU tensors in `dtype` of `layout`'s shape (rows:
+    [S, *row]; panels: [NB, row[0], BS, row[1]], S = NB * BS slots) and slots holds `tokens` int64 indices
+    into them: the C code writes where the slots say, unchecked. Returns the block size (0 for rows)."""
+    check_layout(layout)
     for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
-        if pool.dtype is not dtype or not pool.is_cpu or not pool.is_contiguous() or tuple(pool.shape[1:]) != row:
+        if layout == PANELS:
+            fits = (pool.dim() == 4 and (pool.shape[1], pool.shape[3]) == row
+                    and panels_fit(pool.dtype, pool.shape[2], pool.shape[3]))
+            shape = f"[blocks, {row[0]}, block_size, {row[1]}] panels of"
+        else:
+            fits, shape = tuple(pool.shape[1:]) == row, f"[slots, {row[0]}, {row[1]}]"
+        if pool.dtype is not dtype or not pool.is_cpu or not pool.is_contiguous() or not fits:
             raise ValueError(f"qk_norm_rope: {name} {tuple(pool.shape)} {pool.dtype} is not a contiguous "
-                             f"[slots, {row[0]}, {row[1]}] {dtype} CPU tensor")
-    if k_pool.shape[0] != v_pool.shape[0]:
+                             f"{shape} {dtype} CPU tensor")
+    if k_pool.shape != v_pool.shape:
         raise ValueError("qk_norm_rope: k_pool and v_pool hold different numbers of slots")
+    block_size = k_pool.shape[2] if layout == PANELS else 0
+    capacity = k_pool.shape[0] * max(block_size, 1)
     if slots.dtype is not torch.int64 or slots.shape != (tokens,) or not slots.is_contiguous() or not slots.is_cpu:
         raise ValueError(f"qk_norm_rope: slots must be {tokens} contiguous int64 CPU indices")
-    if tokens and (int(slots.min()) < 0 or int(slots.max()) >= k_pool.shape[0]):
-        raise ValueError(f"qk_norm_rope: a slot lies outside the pools' {k_pool.shape[0]} rows")
+    if tokens and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
+        raise ValueError(f"qk_norm_rope: a slot lies outside the pools' {capacity} slots")
+    return block_size
+
 
 
 def _agrees_with_torch(kernel: FusedPointwise) -> bool:

@@ -15,11 +15,12 @@
  * runs alone, or a later turn reuses K/V that decode steps wrote, or a preempted sequence recomputes
  * in a prefill what it decoded. Per tile of 64 keys, the keys are packed out of the pool into 16-key
  * panels (transposed, as bfloat16 pairs for a bfloat16 pool where they can be) and, for tasks of
- * more than 3 rows, the values into 16-column slabs: a few KB that stay in L1 while every row of the
- * task reads them, so each K/V row is read from the pool once per task and the rows stacked over a
- * shared run make the products a small GEMM. Tasks of up to 3 rows (one sequence's G heads) read
- * each V row in place instead, through tiles of their own that run each lane's multiply-adds as the
- * shared ones do (in the bfloat16 body, pairs of V rows interleaved as they are read).
+ * more than 3 rows, the values into 16-column slabs (pair rows in the bfloat16 body): a few KB that
+ * stay in L1 while every row of the task reads them, so each K/V row is read from the pool once per
+ * task and the rows stacked over a shared run make the products a small GEMM. Tasks of up to 3 rows
+ * (one sequence's G heads) read each V row in place instead, through tiles of their own that run each
+ * lane's multiply-adds as the shared ones do (in the bfloat16 body, pairs of V rows interleaved as they
+ * are read).
  *
  * Against the previous kernel (its own summation order, one block per softmax step), 2-core AMD EPYC
  * Zen 3 (AVX2), 8 KV heads of 128, K/V from memory, per layer: 16 sequences stacked over a 1024-token
@@ -27,8 +28,16 @@
  * (bfloat16), 1.05-1.15x (float32: the transposes the shared tiles need cost a few-row task more than
  * the lane sums they replace); 16 unshared sequences over 1024 0.76x (bfloat16), 1.02-1.11x (float32).
  *
- * pool: [2, num_blocks, block_size, KVH, D] (K then V); q, out: [B, KVH, R, D] float32 (with a
- * bfloat16 pool holding bfloat16 values: the model's queries, widened); lse: [B, KVH, R].
+ * A pool of panels (layout 1, kv_layout.py; the bfloat16 body) holds each head's keys of a block as those
+ * panels and its values as those pairs already: the tiles read them where they lie, and only a sequence's
+ * last, partly written panel is copied (its tail zero). 16 sequences x 8 KV heads over a shared 1024-token
+ * run with 48 keys of their own each, 2-core Zen 4 EPYC, against the same calls packing rows: the run's
+ * call 0.81x the time (K/V in cache), 0.83x (from memory), the own blocks' 0.77x, 0.84x; the decode
+ * program's whole step 0.96x.
+ *
+ * pool: [2, num_blocks, block_size, KVH, D] (K then V; panels: [2, num_blocks, KVH, block_size, D]);
+ * q, out: [B, KVH, R, D] float32 (with a bfloat16 pool holding bfloat16 values: the model's queries,
+ * widened); lse: [B, KVH, R].
  * With `members` (a shared run: B = 1, R = count x group), row r of KV head h is row r % group of
  * sequence members[r / group] in q, out and the states laid out [N, KVH, group, ...]: the run reads
  * its members' queries and leaves its state where their own blocks' call carries on from it, with
@@ -244,13 +253,38 @@ static ALWAYS_INLINE void values_few(float* o, long d, const float* s, const voi
     }
 }
 
+/* values_few_bf16 over a pool of panels' V pair rows (vp[panel], 16 keys a panel), read where they lie:
+ * the same chain per lane */
+AVX512_BF16_TARGET static void values_few_pairs(float* o, long d, const unsigned short* pw, const float* const* vp,
+                                                long n, const float* alpha, TileRequest* ahead, long rows) {
+    for (long j0 = 0, pan = 0; j0 < n; j0 += KP, pan++) {
+        request_more(ahead);
+        const long pairs = ((n - j0 < KP ? n - j0 : KP) + 1) / 2;
+        const float* a = j0 ? NULL : alpha;
+        for (long c = 0; c < d; c += 64) {
+            const int ns = d - c >= 64 ? 4 : (int)((d - c) / 16);
+            switch (ns * 4 + (int)rows) {
+#define PAIRS_CASE(NS, NR) \
+                case NS * 4 + NR: tile_pv512_bf16(o + c, d, pw + j0, KT, vp + pan, d, c, pairs, a, NS, NR); break;
+                PAIRS_CASE(4, 1) PAIRS_CASE(4, 2) PAIRS_CASE(4, 3) PAIRS_CASE(3, 1) PAIRS_CASE(3, 2) PAIRS_CASE(3, 3)
+                PAIRS_CASE(2, 1) PAIRS_CASE(2, 2) PAIRS_CASE(2, 3) PAIRS_CASE(1, 1) PAIRS_CASE(1, 2) PAIRS_CASE(1, 3)
+#undef PAIRS_CASE
+                default: break;
+            }
+        }
+    }
+}
+
 void paged_decode_attention(const float* q, const void* pool, int pool_bf16, const long* tables, const long* lens,
                             long batch, long kv_heads, long rows, long head_dim, long num_blocks,
                             long block_size, long table_width, float scale, float* out, float* lse,
                             float* state_m, float* state_l, int carry_in, int finalize, const long* members,
-                            long group, int body, int threads) {
+                            long group, int body, int layout, int threads) {
     const long d = head_dim;
     const int avx512 = body >= 1, key_words = body == 2 && pool_bf16 && d % 16 == 0;
+    /* a pool of panels (layout 1) is read by the bfloat16 body only; the caller checks (a block a whole
+     * number of panels) */
+    const int panel_pool = layout == 1 && key_words;
     const long token_stride = kv_heads * d;
     const long block_stride = block_size * token_stride;
     const long v_offset = num_blocks * block_stride;          /* the V pool follows the K pool */
@@ -285,6 +319,7 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
         #pragma omp for schedule(static)
         for (long task = 0; task < batch * kv_heads; task++) {
             const long b = task / kv_heads, h = task % kv_heads, len = lens[b];
+            const long* table = tables + b * table_width;
             for (long r = 0; r < rows; r++)
                 row_at[r] = members ? (members[r / group] * kv_heads + h) * group + r % group : task * rows + r;
             for (long p = 0; p < panels; p++) {
@@ -299,13 +334,35 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
 
             for (long k0 = 0; k0 < len; k0 += KT) {
                 const long n = len - k0 < KT ? len - k0 : KT;
-                tile_rows(tables + b * table_width, block_size, token_stride, h * d, k0, n, len, at);
-                for (long pan = 0; pan * KP < n; pan++) {
-                    if (few)
-                        pack_panel_keys(pool, pool_bf16, key_words || few_pairs, at + pan * KP, d, kt + pan * pstride);
-                    else
-                        pack_panel(pool, pool_bf16, key_words, at + pan * KP, v_offset, d, kt + pan * pstride, vr, KT,
-                                   pan * KP);
+                /* where the tile's K panels and V pair rows are read: packed here, or in a pool of panels
+                 * where they lie (a last panel the sequence does not fill: copied, its tail zero) */
+                const float* kp[KT / KP];
+                const float* vp[KT / KP];
+                for (long pan = 0; pan < KT / KP; pan++) {
+                    kp[pan] = kt + pan * pstride;
+                    vp[pan] = vr + pan * (KP / 2) * d;
+                }
+                if (panel_pool) {
+                    for (long pan = 0; pan * KP < n; pan++) {
+                        const long k_at = panel_start(table, block_size, token_stride, h, d, k0 + pan * KP);
+                        if (n - pan * KP < KP) {
+                            copy_panel(pool, k_at, v_offset + k_at, d, n - pan * KP, kt + pan * pstride,
+                                       vr + pan * (KP / 2) * d);
+                            continue;
+                        }
+                        kp[pan] = (const float*)((const unsigned short*)pool + k_at);
+                        vp[pan] = (const float*)((const unsigned short*)pool + v_offset + k_at);
+                    }
+                } else {
+                    tile_rows(table, block_size, token_stride, h * d, k0, n, len, at);
+                    for (long pan = 0; pan * KP < n; pan++) {
+                        if (few)
+                            pack_panel_keys(pool, pool_bf16, key_words || few_pairs, at + pan * KP, d,
+                                            kt + pan * pstride);
+                        else
+                            pack_panel(pool, pool_bf16, key_words, at + pan * KP, v_offset, d, kt + pan * pstride, vr,
+                                       KT, pan * KP);
+                    }
                 }
                 /* the next tile's K and V rows (this task's, or the next task's first), requested while
                  * this one is computed, spread over its row panels or, for a few rows, its key groups;
@@ -314,12 +371,12 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                 const long next = k0 + KT < len ? task : task + 1, nb = next < batch * kv_heads ? next / kv_heads : 0;
                 const long j0 = next == task ? k0 + KT : 0;
                 const long j1 = !avx512 || next == batch * kv_heads ? j0 : lens[nb] < j0 + KT ? lens[nb] : j0 + KT;
-                TileRequest ahead = tile_request(pool, elt, tables + nb * table_width, block_size, token_stride, v_offset,
-                                                 next % kv_heads * d, d, j0, j1,
+                TileRequest ahead = tile_request(pool, panel_pool, elt, tables + nb * table_width, block_size,
+                                                 token_stride, v_offset, next % kv_heads * d, d, j0, j1,
                                                  few ? FEW_REQUEST_POINTS : request_points(panels, d), 1);
                 /* every row of a decode task sits after all of the tile's keys */
                 for (long p = 0; p < panels; p++) vis[p] = n;
-                if (key_words) scores512_bf16(qw, kt, d, s, vis, panels, last, qscale, &ahead);
+                if (key_words) scores512_bf16(qw, kp, d, s, vis, panels, last, qscale, &ahead);
                 else if (rows == 1) scores_few(qp, kt, d, s, n, few_pairs, &ahead, 1);
                 else if (rows == 2) scores_few(qp, kt, d, s, n, few_pairs, &ahead, 2);
                 else if (rows == 3) scores_few(qp, kt, d, s, n, few_pairs, &ahead, 3);
@@ -327,14 +384,18 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                 else scores(qp, kt, d, s, vis, panels);
                 /* padding rows are never read where the tiles skip them (the bfloat16 body's, a few rows') */
                 softmax_rows_in(avx512, s, 0, few || key_words ? rows : padded, &n, 0, round_up(n, 8), m, l, alpha);
-                for (long j = 0; few && j < n; j++) vrow[j] = at[j] + v_offset;
-                if (key_words && few) {
+                for (long j = 0; few && !panel_pool && j < n; j++) vrow[j] = at[j] + v_offset;
+                if (panel_pool && few) {
+                    probabilities_bf16(s, rows, pw);
+                    values_few_pairs(o, d, pw, vp, n, alpha, &ahead, rows);
+                }
+                else if (key_words && few) {
                     probabilities_bf16(s, rows, pw);
                     values_few_bf16(o, d, pw, pool, vrow, n, alpha, &ahead, rows);
                 }
                 else if (key_words) {
                     probabilities_bf16(s, rows, pw);
-                    values512_bf16(o, d, pw, vr, KT, 0, vis, alpha, panels, last, &ahead);
+                    values512_bf16(o, d, pw, vp, vis, alpha, panels, last, &ahead);
                 }
                 else if (rows == 1) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 1);
                 else if (rows == 2) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 2);

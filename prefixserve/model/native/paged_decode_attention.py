@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
+from prefixserve.model.kv_layout import LAYOUT_CODES, PANELS, ROWS, check_layout, pool_geometry
 from prefixserve.model.native.build import load_default, load_kernel
-from prefixserve.model.native.isa import BODY_CODES, ISAS, best_isa
+from prefixserve.model.native.isa import AVX512_BF16, BODY_CODES, ISAS, best_isa
 
 
 @dataclass
@@ -59,13 +60,13 @@ class PagedDecodeAttention:
     `partial(...)` -> the DecodeState a later `__call__(..., carry=state)` finishes. `tables(...)` checks
     tables and lengths once for `run` and `run_partial`, which take them checked."""
 
-    def __init__(self, library: ctypes.CDLL, body: str | None = None) -> None:
+    def __init__(self, library: ctypes.CDLL, body: str | None = None, layout: str = ROWS) -> None:
         self._fn = library.paged_decode_attention
         self._fn.restype = None
         self._fn.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
                              + [ctypes.c_long] * 7 + [ctypes.c_float]
                              + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_long]
-                             + [ctypes.c_int] * 2)
+                             + [ctypes.c_int] * 3)
         tile_keys = library.paged_attention_tile_keys
         tile_keys.restype = ctypes.c_long
         # a carried state gives one pass's bits only where it stops at a softmax tile's edge
@@ -76,10 +77,19 @@ class PagedDecodeAttention:
         self.body = best_isa() if body is None else body
         if self.body not in ISAS:
             raise ValueError(f"unknown body {self.body!r}; one of {ISAS}")
+        check_layout(layout)
+        # a pool of panels is read by the bfloat16 tiles only
+        if layout == PANELS and self.body != AVX512_BF16:
+            raise ValueError(f"a pool of panels needs the {AVX512_BF16} body, not {self.body}")
+        self.layout = layout
 
     def with_body(self, body: str) -> "PagedDecodeAttention":
         """The same library through other tiles (tests compare them; the caller checks the CPU)."""
-        return PagedDecodeAttention(self._library, body)
+        return PagedDecodeAttention(self._library, body, self.layout)
+
+    def for_layout(self, layout: str) -> "PagedDecodeAttention":
+        """The same library and tiles over pools laid out in `layout` (kv_layout.py)."""
+        return self if layout == self.layout else PagedDecodeAttention(self._library, self.body, layout)
 
     @staticmethod
     def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -182,7 +192,7 @@ class PagedDecodeAttention:
         if not q.is_contiguous():
             raise ValueError("q must be contiguous")
         batch, kv_heads, rows, head_dim = q.shape
-        _, num_blocks, block_size, pool_heads, pool_dim = kv_cache.shape
+        num_blocks, block_size, pool_heads, pool_dim = pool_geometry(kv_cache, self.layout)
         width, members = tables.tables.shape[1], tables.members
         tasks, task_rows = (1, len(members) * rows) if members is not None else (batch, rows)
         if (pool_heads, pool_dim) != (kv_heads, head_dim) or tables.tables.shape[0] != tasks:
@@ -196,7 +206,7 @@ class PagedDecodeAttention:
                 tables.lens.data_ptr(), tasks, kv_heads, task_rows, head_dim, num_blocks, block_size, width, scale,
                 state.acc.data_ptr(), 0 if lse is None else lse.data_ptr(), state.m.data_ptr(), state.l.data_ptr(),
                 int(carry_in), int(finalize), 0 if members is None else members.data_ptr(), rows,
-                BODY_CODES[self.body], torch.get_num_threads()]
+                BODY_CODES[self.body], LAYOUT_CODES[self.layout], torch.get_num_threads()]
 
     @property
     def function(self):

@@ -19,6 +19,10 @@
  * keys once (find_shared_keys): 16 chunks of 34 tokens over one 1024-token document, bfloat16,
  * 21.2 -> 13.3 ms a layer, the copies no longer spilling out of the caches.
  *
+ * A pool of panels (layout 1, kv_layout.py; bfloat16 body) already holds each head's keys of a block as
+ * packed panels in one run of memory: phase 1 copies nothing and every tile reads its panels where they
+ * lie, but for a sequence's last, partly written panel, copied with the keys past its end zero.
+ *
  * A sequence whose queries make a single work item per KV head and that shares no keys with another
  * (a new turn of tens of tokens over a cached history of thousands) skips phase 1: its item packs each
  * 64-key tile into L1 where it uses it, as the decode kernel does, while the next tile's rows are
@@ -160,11 +164,15 @@ static void store_row(void* dst, int bf16, const float* o, float inv, long d) {
 void paged_prefill_attention(const void* q, long q_stride, const void* pool, int pool_bf16, const long* tables,
                              const long* seq_lens, const long* starts, long batch, long heads,
                              long kv_heads, long head_dim, long num_blocks, long block_size, long table_width,
-                             long min_qlen, float scale, void* out, float* work, int body, int threads) {
+                             long min_qlen, float scale, void* out, float* work, int body, int layout,
+                             int threads) {
     const long d = head_dim, group = heads / kv_heads;
     /* body: 0 the AVX2 tiles, 1 the AVX-512 tiles, 2 those with a bfloat16 pool's keys in word pairs */
     /* a bfloat16 pool's keys in word pairs (head dims of whole 16-element rows: every model's) */
     const int avx512 = body >= 1, key_words = body == 2 && pool_bf16 && d % 16 == 0;
+    /* a pool of panels (layout 1, bfloat16 body only; the caller checks): every tile reads its panels where
+     * they lie, nothing is packed in phase 1 or per tile but a sequence's last, partly filled panel */
+    const int panel_pool = layout == 1 && key_words;
     const long kstride = key_words ? KP * d / 2 : KP * d;     /* floats from one K panel to the next */
     const long token_stride = kv_heads * d;
     const long block_stride = block_size * token_stride;
@@ -225,7 +233,8 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
             }
             long rest = (at - offset[b]) / (2 * d * KP);
             long npan = round_up(seq_lens[b], KP) / KP, pan = rest / kv_heads, h = rest % kv_heads;
-            if (pan * KP < shared[b] || streamed[b]) continue;     /* its leader, or its item, packs these */
+            if (panel_pool || pan * KP < shared[b] || streamed[b]) continue;  /* read in place, or packed by its
+                                                                                leader or its item */
             float* kt = work + offset[b] + h * 2 * npan * KP * d;
             long rows[KP];                /* where the panel's K rows start in the pool, -1 past the sequence */
             for (long jj = 0; jj < KP; jj++) {
@@ -278,7 +287,8 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
             const int stream = (int)streamed[w.b];
             const long* table = tables + w.b * table_width;
             if (stream && avx512) {
-                TileRequest first_tile = tile_request(pool, elt, table, block_size, token_stride, v_offset, w.h * d, d, 0,
+                TileRequest first_tile = tile_request(pool, panel_pool, elt, table, block_size, token_stride, v_offset,
+                                                      w.h * d, d, 0,
                                                       last + 1 < KT ? last + 1 : KT, 1, 0);
                 request_more(&first_tile);
             }
@@ -317,10 +327,29 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                     vis[p] = n <= 0 ? 0 : n > KT ? KT : n;
                 }
                 /* a streamed item's next tile, requested over this one's row panels (AVX-512 CPUs, as in decode) */
-                TileRequest ahead = tile_request(pool, elt, table, block_size, token_stride, v_offset, w.h * d, d, k0 + KT,
+                TileRequest ahead = tile_request(pool, panel_pool, elt, table, block_size, token_stride, v_offset,
+                                                 w.h * d, d, k0 + KT,
                                                  stream && avx512 ? (last + 1 < k0 + 2 * KT ? last + 1 : k0 + 2 * KT) : 0,
                                                  request_points(panels, d), 0);
-                if (stream) {
+                const float* kp[KT / KP];
+                const float* vp[KT / KP];
+                if (panel_pool) {
+                    const long n = last + 1 - k0 < KT ? last + 1 - k0 : KT;
+                    for (long pan = 0; pan < KT / KP; pan++) {
+                        kp[pan] = tile_k + pan * kstride;
+                        vp[pan] = tile_v + pan * (KP / 2) * d;
+                        if (pan * KP >= n) continue;
+                        const long key = k0 + pan * KP;
+                        const long k_at = panel_start(table, block_size, token_stride, w.h, d, key);
+                        if (key + KP > len) {
+                            copy_panel(pool, k_at, v_offset + k_at, d, len - key, tile_k + pan * kstride,
+                                       tile_v + pan * (KP / 2) * d);
+                            continue;
+                        }
+                        kp[pan] = (const float*)((const unsigned short*)pool + k_at);
+                        vp[pan] = (const float*)((const unsigned short*)pool + v_offset + k_at);
+                    }
+                } else if (stream) {
                     const long n = last + 1 - k0 < KT ? last + 1 - k0 : KT;
                     tile_rows(table, block_size, token_stride, w.h * d, k0, n, len, at);
                     for (long pan = 0; pan * KP < n; pan++)
@@ -330,8 +359,9 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                 /* S = Q K^T, only the 16-key panels at or below each row panel's diagonal */
                 const int led = k0 < shared[w.b];
                 const float* kpan = stream ? tile_k : (led ? lead_kt : kt) + (k0 / KP) * kstride;
+                for (long pan = 0; !panel_pool && pan < KT / KP; pan++) kp[pan] = kpan + pan * kstride;
                 if (key_words)
-                    scores512_bf16(qw, kpan, d, s, vis, panels, last_rows, qscale, &ahead);
+                    scores512_bf16(qw, kp, d, s, vis, panels, last_rows, qscale, &ahead);
                 else if (avx512)
                     scores512(qp, kpan, d, s, vis, panels, &ahead);
                 else
@@ -354,8 +384,10 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                 const float* vslab = stream ? tile_v : led ? lead_vr : vr;
                 const long vkeys = stream ? KT : (led ? lead_pan : npan) * KP, vk0 = stream ? 0 : k0;
                 if (key_words) {
+                    for (long pan = 0; !panel_pool && pan < KT / KP; pan++)
+                        vp[pan] = vslab + (vk0 / KP + pan) * (KP / 2) * d;
                     probabilities_bf16(s, rows, pw);
-                    values512_bf16(o, d, pw, vslab, vkeys, vk0, vis, alpha, panels, last_rows, &ahead);
+                    values512_bf16(o, d, pw, vp, vis, alpha, panels, last_rows, &ahead);
                 }
                 else if (avx512)
                     values512(o, d, s, vslab, vkeys, vk0, vis, alpha, panels, &ahead);

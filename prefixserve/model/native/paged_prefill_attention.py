@@ -20,8 +20,9 @@ from typing import Callable
 
 import torch
 
+from prefixserve.model.kv_layout import LAYOUT_CODES, PANELS, ROWS, check_layout, pool_geometry
 from prefixserve.model.native.build import load_default, load_kernel
-from prefixserve.model.native.isa import BODY_CODES, ISAS, best_isa
+from prefixserve.model.native.isa import AVX512_BF16, BODY_CODES, ISAS, best_isa
 
 
 class PagedPrefillAttention:
@@ -29,16 +30,17 @@ class PagedPrefillAttention:
 
     Sequence b's queries are rows query_start_loc[b]:query_start_loc[b + 1] of q [T, H, D];
     they are the last of its seq_lens[b] positions, whose K/V are already in the pool
-    kv_cache [2, num_blocks, block_size, KVH, D] at the blocks tables[b]. Each query attends
+    kv_cache (kv_layout.py: rows [2, num_blocks, block_size, KVH, D] or, for the bfloat16 tiles, panels)
+    at the blocks tables[b]. Each query attends
     causally (to the keys up to its own position); query head j reads KV head j // (H / KVH).
     """
 
-    def __init__(self, library: ctypes.CDLL, body: str | None = None) -> None:
+    def __init__(self, library: ctypes.CDLL, body: str | None = None, layout: str = ROWS) -> None:
         self._fn = library.paged_prefill_attention
         self._fn.restype = None
         self._fn.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
                              + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 8
-                             + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2)
+                             + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3)
         self._workspace = library.paged_prefill_workspace
         self._workspace.restype = ctypes.c_long
         self._workspace.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 6
@@ -48,10 +50,18 @@ class PagedPrefillAttention:
         self.body = best_isa() if body is None else body
         if self.body not in ISAS:
             raise ValueError(f"unknown body {self.body!r}; one of {ISAS}")
+        check_layout(layout)
+        if layout == PANELS and self.body != AVX512_BF16:
+            raise ValueError(f"a pool of panels needs the {AVX512_BF16} body, not {self.body}")
+        self.layout = layout
 
     def with_body(self, body: str) -> "PagedPrefillAttention":
         """The same library through other tiles (tests compare them; the caller checks the CPU)."""
-        return PagedPrefillAttention(self._library, body)
+        return PagedPrefillAttention(self._library, body, self.layout)
+
+    def for_layout(self, layout: str) -> "PagedPrefillAttention":
+        """The same library and tiles over pools laid out in `layout` (kv_layout.py)."""
+        return self if layout == self.layout else PagedPrefillAttention(self._library, self.body, layout)
 
     @staticmethod
     def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -71,7 +81,7 @@ class PagedPrefillAttention:
         float32 elements the call may overwrite (each served sequence's keys, packed per KV head), for
         callers that keep one buffer across calls; a fresh tensor when None."""
         tokens, heads, head_dim = q.shape
-        _, num_blocks, block_size, kv_heads, pool_dim = kv_cache.shape
+        num_blocks, block_size, kv_heads, pool_dim = pool_geometry(kv_cache, self.layout)
         batch = seq_lens.shape[0]
         if (pool_dim != head_dim or heads % kv_heads or query_start_loc.shape != (batch + 1,)
                 or tables.dim() != 2 or tables.shape[0] != batch):
@@ -101,7 +111,7 @@ class PagedPrefillAttention:
         self._fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16),
                  tables.data_ptr(), seq_lens.data_ptr(), query_start_loc.data_ptr(), batch, heads, kv_heads,
                  head_dim, num_blocks, block_size, tables.shape[1], min_query_len, scale, out.data_ptr(),
-                 work.data_ptr(), BODY_CODES[self.body], torch.get_num_threads())
+                 work.data_ptr(), BODY_CODES[self.body], LAYOUT_CODES[self.layout], torch.get_num_threads())
         return out
 
 
