@@ -698,6 +698,29 @@ static inline long panel_start(const long* table, long block_size, long token_st
     return table[key / block_size] * block_size * token_stride + (h * block_size + key % block_size) * d;
 }
 
+AVX512_TARGET static void copy_panel(const void* pool, long k_at, long v_at, long d, long valid, float* kt, float* vp);
+
+/* Where a tile's KT / KP panels (keys k0 .. k0 + n of KV head h, n <= KT) are read in a pool of panels: in
+ * place where the sequence (len keys) fills them, else copied into the tile's buffers kt and vr, the tail
+ * zero (the buffers: the packing's places, kp / vp of panels past n) */
+static inline void tile_panels(const void* pool, const long* table, long block_size, long token_stride, long v_offset,
+                               long h, long d, long k0, long n, long len, float* kt, float* vr, const float** kp,
+                               const float** vp) {
+    for (long pan = 0; pan < KT / KP; pan++) {
+        kp[pan] = kt + pan * KP * d / 2;
+        vp[pan] = vr + pan * (KP / 2) * d;
+        const long key = k0 + pan * KP;
+        if (pan * KP >= n) continue;
+        const long k_at = panel_start(table, block_size, token_stride, h, d, key);
+        if (key + KP > len) {
+            copy_panel(pool, k_at, v_offset + k_at, d, len - key, kt + pan * KP * d / 2, vr + pan * (KP / 2) * d);
+            continue;
+        }
+        kp[pan] = (const float*)((const unsigned short*)pool + k_at);
+        vp[pan] = (const float*)((const unsigned short*)pool + v_offset + k_at);
+    }
+}
+
 /* A panel of a pool of panels (K at element k_at, V pairs at v_at) whose keys from `valid` on lie past
  * the sequence, copied into kt and vp with those keys' words zero: a slot not yet written may hold
  * whatever its block held before, and a probability of 0 times a NaN left there is still NaN. */

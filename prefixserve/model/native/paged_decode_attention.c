@@ -343,16 +343,7 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                     vp[pan] = vr + pan * (KP / 2) * d;
                 }
                 if (panel_pool) {
-                    for (long pan = 0; pan * KP < n; pan++) {
-                        const long k_at = panel_start(table, block_size, token_stride, h, d, k0 + pan * KP);
-                        if (n - pan * KP < KP) {
-                            copy_panel(pool, k_at, v_offset + k_at, d, n - pan * KP, kt + pan * pstride,
-                                       vr + pan * (KP / 2) * d);
-                            continue;
-                        }
-                        kp[pan] = (const float*)((const unsigned short*)pool + k_at);
-                        vp[pan] = (const float*)((const unsigned short*)pool + v_offset + k_at);
-                    }
+                    tile_panels(pool, table, block_size, token_stride, v_offset, h, d, k0, n, len, kt, vr, kp, vp);
                 } else {
                     tile_rows(table, block_size, token_stride, h * d, k0, n, len, at);
                     for (long pan = 0; pan * KP < n; pan++) {

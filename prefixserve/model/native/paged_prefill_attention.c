@@ -335,20 +335,8 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                 const float* vp[KT / KP];
                 if (panel_pool) {
                     const long n = last + 1 - k0 < KT ? last + 1 - k0 : KT;
-                    for (long pan = 0; pan < KT / KP; pan++) {
-                        kp[pan] = tile_k + pan * kstride;
-                        vp[pan] = tile_v + pan * (KP / 2) * d;
-                        if (pan * KP >= n) continue;
-                        const long key = k0 + pan * KP;
-                        const long k_at = panel_start(table, block_size, token_stride, w.h, d, key);
-                        if (key + KP > len) {
-                            copy_panel(pool, k_at, v_offset + k_at, d, len - key, tile_k + pan * kstride,
-                                       tile_v + pan * (KP / 2) * d);
-                            continue;
-                        }
-                        kp[pan] = (const float*)((const unsigned short*)pool + k_at);
-                        vp[pan] = (const float*)((const unsigned short*)pool + v_offset + k_at);
-                    }
+                    tile_panels(pool, table, block_size, token_stride, v_offset, w.h, d, k0, n, len, tile_k, tile_v,
+                                kp, vp);
                 } else if (stream) {
                     const long n = last + 1 - k0 < KT ? last + 1 - k0 : KT;
                     tile_rows(table, block_size, token_stride, w.h * d, k0, n, len, at);
