@@ -161,43 +161,43 @@ static inline void tile_pv8(float* o, long ldo, const float* p, long ldp, const 
  * same fused multiply-adds in the same order as in the AVX2 tiles, so both bodies give the same bits
  * (tests hold them to it), and neither the tile width nor chunking changes anything. */
 
-/* s[r, 0..16 np) = sum_d qp[d, r] * panel_i[d, 0..16) for r < 6 over np = 1-4 consecutive K panels (a whole
+/* s[r, 0..16 np) = sum_d qp[d, r] * panel_i[d, 0..16) for r < nr over np = 1-4 consecutive K panels (a whole
  * 64-key tile in 24 accumulators: every K load feeds 6 multiply-adds and every broadcast np) */
 AVX512_TARGET static ALWAYS_INLINE void tile_qk512(const float* qp, const float* kp, long d, float* s, long lds,
-                                                  const int np) {
+                                                  const int np, const int nr) {
     __m512 c[MR][4];
-    for (int r = 0; r < MR; r++)
+    for (int r = 0; r < nr; r++)
         for (int j = 0; j < np; j++) c[r][j] = _mm512_setzero_ps();
     for (long i = 0; i < d; i++, qp += MR) {
         __m512 k[4];
         for (int j = 0; j < np; j++) k[j] = _mm512_loadu_ps(kp + j * KP * d + i * KP);
-        for (int r = 0; r < MR; r++) {
+        for (int r = 0; r < nr; r++) {
             __m512 a = _mm512_set1_ps(qp[r]);
             for (int j = 0; j < np; j++) c[r][j] = _mm512_fmadd_ps(a, k[j], c[r][j]);
         }
     }
-    for (int r = 0; r < MR; r++)
+    for (int r = 0; r < nr; r++)
         for (int j = 0; j < np; j++) _mm512_storeu_ps(s + r * lds + j * KP, c[r][j]);
 }
 
-/* o[r, 0..16 ns) = alpha[r] * o[r, ..] + sum_{j<n} p[r, j] * slab_i[j, 0..16) for r < 6 over ns = 1-4 V slabs
+/* o[r, 0..16 ns) = alpha[r] * o[r, ..] + sum_{j<n} p[r, j] * slab_i[j, 0..16) for r < nr over ns = 1-4 V slabs
  * (16 floats a key; slab i at v + i * slab) */
 AVX512_TARGET static ALWAYS_INLINE void tile_pv512(float* o, long ldo, const float* p, long ldp, const float* v,
-                                                  long slab, long n, const float* alpha, const int ns) {
+                                                  long slab, long n, const float* alpha, const int ns, const int nr) {
     __m512 c[MR][4];
-    for (int r = 0; r < MR; r++) {
+    for (int r = 0; r < nr; r++) {
         __m512 a = _mm512_set1_ps(alpha[r]);
         for (int i = 0; i < ns; i++) c[r][i] = _mm512_mul_ps(a, _mm512_loadu_ps(o + r * ldo + 16 * i));
     }
     for (long j = 0; j < n; j++) {
         __m512 x[4];
         for (int i = 0; i < ns; i++) x[i] = _mm512_loadu_ps(v + i * slab + j * 16);
-        for (int r = 0; r < MR; r++) {
+        for (int r = 0; r < nr; r++) {
             __m512 a = _mm512_set1_ps(p[r * ldp + j]);
             for (int i = 0; i < ns; i++) c[r][i] = _mm512_fmadd_ps(a, x[i], c[r][i]);
         }
     }
-    for (int r = 0; r < MR; r++)
+    for (int r = 0; r < nr; r++)
         for (int i = 0; i < ns; i++) _mm512_storeu_ps(o + r * ldo + 16 * i, c[r][i]);
 }
 
@@ -362,7 +362,9 @@ static inline void gather_transposed_pool(const void* pool, int bf16, const long
  * 1.17-1.30x, 32 rows stacked over 1024 keys 1.11-1.20x; a streamed prefill chunk of 16-32 tokens over
  * 1024-2048 cached 1.07-1.20x. Each key looks its block up on its own: walking a block's slots with one
  * lookup per block issued the requests faster than the memory took them (0.89-0.94x). All: bfloat16
- * pool, Zen 5 EPYC, 2 threads.
+ * pool, Zen 5 EPYC, 2 threads. A key's row is looked up once, not once per line (its 8 lines of a 128-dim
+ * float32 head): decode of 16 sequences x 48 own keys, float32, 0.90x the time (K/V in cache), 0.92x (from
+ * memory); the decode program's float32 step, 16 sequences over a shared 1024, 0.976x (Zen 4 EPYC).
  * Decode asks for them into L2 (`to_l2`): into L1 (32 KB on Zen 4) a tile's K and V rows (32 KB at 64
  * keys of a 128-dim bfloat16 head) pushed out the tile being computed (Zen 4 EPYC, 2 threads, bfloat16,
  * the decode program's layers with the two builds alternating every step, 16 sequences over a shared
@@ -371,14 +373,20 @@ static inline void gather_transposed_pool(const void* pool, int bf16, const long
 typedef struct {
     const char* pool;
     const long* table;          /* the block table of the keys' sequence */
-    long elt, block_size, token_stride, v_offset, row_bytes;
+    long elt, block_size, token_stride, v_bytes, row_bytes;
     long head, slot_stride;     /* where the head's row (panel) of slot 0 lies in its block, elements a slot */
     long step;                  /* keys a row: 1, or KP in a pool of panels (a panel's K, and its V pairs) */
     long j, j1, c;              /* the next key and byte of its row to request; the key to stop before */
     long block, slot;           /* key j's entry of the table and slot in its block (no division per line) */
+    const char* row;            /* where key j's K row starts (looked up once a key, not once a line) */
     long per;                   /* lines of K (and as many of V) a request_more asks for */
     int to_l2;                  /* requested into L2 rather than L1 */
 } TileRequest;
+
+static inline const char* request_row(const TileRequest* t) {
+    return t->pool + t->elt * (t->table[t->block] * t->block_size * t->token_stride + t->slot * t->slot_stride
+                               + t->head);
+}
 
 /* keys [j0, j1) (none where j1 <= j0; j0 a multiple of KP in a pool of panels), asked for over `points`
  * calls of request_more; `head` the head's element in a token's row (h * d) */
@@ -388,23 +396,24 @@ static inline TileRequest tile_request(const void* pool, int panels, long elt, c
     const long step = panels ? KP : 1, row_bytes = d * elt * step;
     if (panels && j1 > j0) j1 = round_up(j1, KP);
     const long lines = j1 > j0 ? (j1 - j0) / step * ((row_bytes + 63) / 64) : 0;
-    return (TileRequest){(const char*)pool, table, elt, block_size, token_stride, v_offset, row_bytes,
-                         panels ? head * block_size : head, panels ? d : token_stride, step,
-                         j0, j1, 0, j0 / block_size, j0 % block_size, (lines + points - 1) / points, to_l2};
+    TileRequest t = {(const char*)pool, table, elt, block_size, token_stride, elt * v_offset, row_bytes,
+                     panels ? head * block_size : head, panels ? d : token_stride, step,
+                     j0, j1, 0, j0 / block_size, j0 % block_size, NULL, (lines + points - 1) / points, to_l2};
+    if (j1 > j0) t.row = request_row(&t);
+    return t;
 }
 
 /* the next `per` lines of the request (t NULL: none) */
 static inline void request_more(TileRequest* t) {
     if (!t) return;
     for (long n = 0; n < t->per && t->j < t->j1; n++) {
-        const char* row = t->pool + t->elt * (t->table[t->block] * t->block_size * t->token_stride
-                                              + t->slot * t->slot_stride + t->head);
-        request_line(row + t->c, t->to_l2);
-        request_line(row + t->elt * t->v_offset + t->c, t->to_l2);
+        request_line(t->row + t->c, t->to_l2);
+        request_line(t->row + t->v_bytes + t->c, t->to_l2);
         if ((t->c += 64) >= t->row_bytes) {
             t->c = 0;
             t->j += t->step;
             if ((t->slot += t->step) == t->block_size) { t->slot = 0; t->block++; }
+            if (t->j < t->j1) t->row = request_row(t);
         }
     }
 }
@@ -747,18 +756,23 @@ static void scores(const float* qp, const float* kt, long d, float* s, const lon
             if (vis[p] > kk * KP) tile_qk(qp + p * MR * d, kt + kk * KP * d, d, s + p * MR * KT + kk * KP, KT);
 }
 
+/* scores over AVX-512 tiles, which skip the padding rows of the last row panel (`last` of its MR rows
+ * real, as values512 does): with 2 query heads a KV head, 16 sequences stacked over a shared run fill 32
+ * of 36 rows, and skipping the 4 took the float32 decode program's step to 0.964x (Zen 4 EPYC, 2 threads,
+ * builds alternating every step) */
 AVX512_TARGET static void scores512(const float* qp, const float* kt, long d, float* s, const long* vis,
-                                    long panels, TileRequest* ahead) {
+                                    long panels, long last, TileRequest* ahead) {
     for (long kk = 0; kk * KP < KT; kk += 4)
         for (long p = 0; p < panels; p++) {
             if (kk == 0) request_more(ahead);
             float* sp = s + p * MR * KT + kk * KP;
             const float* q = qp + p * MR * d, * k = kt + kk * KP * d;
+            const int nr = panel_rows(p, panels, last);
             switch (panels_seen(vis[p], kk)) {
-                case 4: tile_qk512(q, k, d, sp, KT, 4); break;
-                case 3: tile_qk512(q, k, d, sp, KT, 3); break;
-                case 2: tile_qk512(q, k, d, sp, KT, 2); break;
-                case 1: tile_qk512(q, k, d, sp, KT, 1); break;
+                case 4: FOR_ROWS(nr, tile_qk512, q, k, d, sp, KT, 4); break;
+                case 3: FOR_ROWS(nr, tile_qk512, q, k, d, sp, KT, 3); break;
+                case 2: FOR_ROWS(nr, tile_qk512, q, k, d, sp, KT, 2); break;
+                case 1: FOR_ROWS(nr, tile_qk512, q, k, d, sp, KT, 1); break;
                 default: break;
             }
         }
@@ -780,7 +794,7 @@ static void values(float* o, long d, const float* s, const float* vr, long keys,
 }
 
 AVX512_TARGET static void values512(float* o, long d, const float* s, const float* vr, long keys, long k0,
-                                    const long* vis, const float* alpha, long panels, TileRequest* ahead) {
+                                    const long* vis, const float* alpha, long panels, long last, TileRequest* ahead) {
     long c = 0;
     while (c + 16 <= d) {
         /* up to 4 slabs (64 columns) a register tile */
@@ -789,12 +803,13 @@ AVX512_TARGET static void values512(float* o, long d, const float* s, const floa
             if (!vis[p]) continue;
             request_more(ahead);
             float* op = o + p * MR * d + c;
-            const float* sp = s + p * MR * KT, * v = vr + c * keys + k0 * 16;
+            const float* sp = s + p * MR * KT, * v = vr + c * keys + k0 * 16, * a = alpha + p * MR;
+            const int nr = panel_rows(p, panels, last);
             switch (ns) {
-                case 4: tile_pv512(op, d, sp, KT, v, 16 * keys, vis[p], alpha + p * MR, 4); break;
-                case 3: tile_pv512(op, d, sp, KT, v, 16 * keys, vis[p], alpha + p * MR, 3); break;
-                case 2: tile_pv512(op, d, sp, KT, v, 16 * keys, vis[p], alpha + p * MR, 2); break;
-                default: tile_pv512(op, d, sp, KT, v, 16 * keys, vis[p], alpha + p * MR, 1); break;
+                case 4: FOR_ROWS(nr, tile_pv512, op, d, sp, KT, v, 16 * keys, vis[p], a, 4); break;
+                case 3: FOR_ROWS(nr, tile_pv512, op, d, sp, KT, v, 16 * keys, vis[p], a, 3); break;
+                case 2: FOR_ROWS(nr, tile_pv512, op, d, sp, KT, v, 16 * keys, vis[p], a, 2); break;
+                default: FOR_ROWS(nr, tile_pv512, op, d, sp, KT, v, 16 * keys, vis[p], a, 1); break;
             }
         }
         c += 16 * ns;

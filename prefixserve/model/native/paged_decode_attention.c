@@ -371,10 +371,10 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                 else if (rows == 1) scores_few(qp, kt, d, s, n, few_pairs, &ahead, 1);
                 else if (rows == 2) scores_few(qp, kt, d, s, n, few_pairs, &ahead, 2);
                 else if (rows == 3) scores_few(qp, kt, d, s, n, few_pairs, &ahead, 3);
-                else if (avx512) scores512(qp, kt, d, s, vis, panels, &ahead);
+                else if (avx512) scores512(qp, kt, d, s, vis, panels, last, &ahead);
                 else scores(qp, kt, d, s, vis, panels);
-                /* padding rows are never read where the tiles skip them (the bfloat16 body's, a few rows') */
-                softmax_rows_in(avx512, s, 0, few || key_words ? rows : padded, &n, 0, round_up(n, 8), m, l, alpha);
+                /* padding rows are never read where the tiles skip them (the AVX-512 ones, a few rows') */
+                softmax_rows_in(avx512, s, 0, few || avx512 ? rows : padded, &n, 0, round_up(n, 8), m, l, alpha);
                 for (long j = 0; few && !panel_pool && j < n; j++) vrow[j] = at[j] + v_offset;
                 if (panel_pool && few) {
                     probabilities_bf16(s, rows, pw);
@@ -391,7 +391,7 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                 else if (rows == 1) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 1);
                 else if (rows == 2) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 2);
                 else if (rows == 3) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 3);
-                else if (avx512) values512(o, d, s, vr, KT, 0, vis, alpha, panels, &ahead);
+                else if (avx512) values512(o, d, s, vr, KT, 0, vis, alpha, panels, last, &ahead);
                 else values(o, d, s, vr, KT, 0, vis, alpha, panels);
                 request_rest(&ahead);
             }

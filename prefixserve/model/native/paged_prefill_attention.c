@@ -351,7 +351,7 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                 if (key_words)
                     scores512_bf16(qw, kp, d, s, vis, panels, last_rows, qscale, &ahead);
                 else if (avx512)
-                    scores512(qp, kpan, d, s, vis, panels, &ahead);
+                    scores512(qp, kpan, d, s, vis, panels, last_rows, &ahead);
                 else
                     scores(qp, kpan, d, s, vis, panels);
                 /* the softmax over runs of row panels whose tiles have the same columns */
@@ -360,8 +360,8 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                     if (!vis[p]) continue;
                     const long cols = round_up(vis[p], 8);
                     while (p1 < panels && vis[p1] && round_up(vis[p1], 8) == cols) p1++;
-                    /* the bfloat16 body's tiles skip the padding rows of the last panel */
-                    const long r1 = key_words && p1 * MR > rows ? rows : p1 * MR;
+                    /* the AVX-512 tiles skip the padding rows of the last panel */
+                    const long r1 = avx512 && p1 * MR > rows ? rows : p1 * MR;
                     for (long r = p * MR; r < r1; r++) {
                         const long v = pos[r] - k0 + 1;
                         valid[r] = v <= 0 ? 0 : v > KT ? KT : v;
@@ -378,7 +378,7 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                     values512_bf16(o, d, pw, vp, vis, alpha, panels, last_rows, &ahead);
                 }
                 else if (avx512)
-                    values512(o, d, s, vslab, vkeys, vk0, vis, alpha, panels, &ahead);
+                    values512(o, d, s, vslab, vkeys, vk0, vis, alpha, panels, last_rows, &ahead);
                 else
                     values(o, d, s, vslab, vkeys, vk0, vis, alpha, panels);
                 request_rest(&ahead);
