@@ -107,7 +107,8 @@ class DecodeProgram:
         # the torch backend itself: a subclass may attend otherwise in forward, which the program would skip
         attention = backend.decode_kernel if type(backend) is TorchPagedAttention else None
         if layout == PANELS and attention is not None:
-            attention = attention.for_layout(PANELS) if backend.reads_panels else None
+            attention = (attention.for_layout(PANELS) if kv_caches and backend.reads_panels(kv_caches[0].dtype)
+                         else None)
         config = model.config
         if (pointwise is None or gemm is None or attention is None or loop is None or config.head_dim % 16
                 or config.hidden_size % 8 or config.intermediate_size % 16 or len(kv_caches) != len(model.layers)):

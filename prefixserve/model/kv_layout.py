@@ -5,15 +5,17 @@ is token offset s % block_size of block s // block_size. Two layouts:
 
 - "rows" [2, num_blocks, block_size, num_kv_heads, head_dim]: a token's K (V) row
   for every head, token after token. Any dtype, any block size; every backend reads it.
-- "panels" [2, num_blocks, num_kv_heads, block_size, head_dim] (bfloat16, block
-  sizes and head dims of whole 16-element panels): one head's keys of a block are
-  one run of memory, already in the form the native kernels' bfloat16 tiles
-  multiply. Within (block, head), K is block_size / 16 panels of [head_dim / 2][16]
-  32-bit words, word (i, j) holding dims 2i (low half) and 2i + 1 of key j; V is
-  block_size / 2 pair rows of head_dim words, word (p, c) holding column c of keys
-  2p (low half) and 2p + 1. The tiles read a panel where it lies instead of
-  transposing rows into one (`native/attention_tiles.h`); the tensor's shape names
-  only the (block, head) runs, not the words within them.
+- "panels" [2, num_blocks, num_kv_heads, block_size, head_dim] (bfloat16 or float32,
+  block sizes and head dims of whole 16-element panels): one head's keys of a block
+  are one run of memory, already in the form the native kernels' tiles multiply.
+  Within (block, head), K is block_size / 16 panels of [head_dim / w][16] 32-bit
+  words and V block_size / w rows of head_dim words, w the elements a word holds.
+  bfloat16 (w = 2): K word (i, j) holds dims 2i (low half) and 2i + 1 of key j; V
+  word (p, c) holds column c of keys 2p (low half) and 2p + 1. float32 (w = 1): K
+  panels are [head_dim][16] (a transposed panel of keys), V rows are the keys' rows.
+  The tiles read a panel where it lies instead of transposing rows into one
+  (`native/attention_tiles.h`); the tensor's shape names only the (block, head)
+  runs, not the words within them.
 
 A block's bytes mean different things in the two layouts, so everything that
 stores blocks outside the pool keys them by layout (kv/stores/scope.py).
@@ -36,9 +38,12 @@ def check_layout(layout: str) -> None:
         raise ValueError(f"unknown KV layout {layout!r}; one of {LAYOUTS}")
 
 
+PANEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
 def panels_fit(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
     """Whether a pool of this dtype, block size and head dim can be laid out in panels."""
-    return dtype == torch.bfloat16 and block_size % PANEL_KEYS == 0 and head_dim % PANEL_KEYS == 0
+    return dtype in PANEL_DTYPES and block_size % PANEL_KEYS == 0 and head_dim % PANEL_KEYS == 0
 
 
 def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int, layout: str = ROWS) -> tuple[int, ...]:
@@ -76,11 +81,17 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
     return 2 * config.num_hidden_layers * block_size * config.kv_size * element
 
 
+def _word(dtype: torch.dtype) -> int:
+    """Elements of a panel's 32-bit word: 2 bfloat16, 1 float32."""
+    return 4 // torch.empty((), dtype=dtype).element_size()
+
+
 def _panel_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pool of panels as K [NB, KVH, BS/16, D/2, 16, 2] and V [NB, KVH, BS/2, D, 2] (views)."""
+    """A pool of panels as K [NB, KVH, BS/16, D/w, 16, w] and V [NB, KVH, BS/w, D, w] (views; w = _word)."""
     _, nb, kvh, bs, d = kv_cache.shape
-    return (kv_cache[0].view(nb, kvh, bs // PANEL_KEYS, d // 2, PANEL_KEYS, 2),
-            kv_cache[1].view(nb, kvh, bs // 2, d, 2))
+    w = _word(kv_cache.dtype)
+    return (kv_cache[0].view(nb, kvh, bs // PANEL_KEYS, d // w, PANEL_KEYS, w),
+            kv_cache[1].view(nb, kvh, bs // w, d, w))
 
 
 def write_kv(kv_cache: torch.Tensor, layout: str, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -91,9 +102,10 @@ def write_kv(kv_cache: torch.Tensor, layout: str, slots: torch.Tensor, k: torch.
         kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
         return
     keys, values = _panel_views(kv_cache)
+    w = _word(kv_cache.dtype)
     block, offset = slots // block_size, slots % block_size
-    keys[block, :, offset // PANEL_KEYS, :, offset % PANEL_KEYS, :] = k.reshape(-1, kv_heads, head_dim // 2, 2)
-    values[block, :, offset // 2, :, offset % 2] = v.reshape(-1, kv_heads, head_dim)
+    keys[block, :, offset // PANEL_KEYS, :, offset % PANEL_KEYS, :] = k.reshape(-1, kv_heads, head_dim // w, w)
+    values[block, :, offset // w, :, offset % w] = v.reshape(-1, kv_heads, head_dim)
 
 
 def gather_rows(kv_cache: torch.Tensor, layout: str, blocks: torch.Tensor,
@@ -105,13 +117,13 @@ def gather_rows(kv_cache: torch.Tensor, layout: str, blocks: torch.Tensor,
         torch.index_select(kv_cache[1], 0, blocks, out=values)
         return
     _, block_size, kv_heads, head_dim = pool_geometry(kv_cache, layout)
-    k_panels, v_pairs = _panel_views(kv_cache)
-    n = blocks.numel()
-    # [n, KVH, BS/16, D/2, 16, 2] -> [n, BS/16, 16, KVH, D/2, 2]
-    keys.view(n, block_size // PANEL_KEYS, PANEL_KEYS, kv_heads, head_dim // 2, 2).copy_(
+    k_panels, v_words = _panel_views(kv_cache)
+    n, w = blocks.numel(), _word(kv_cache.dtype)
+    # [n, KVH, BS/16, D/w, 16, w] -> [n, BS/16, 16, KVH, D/w, w]
+    keys.view(n, block_size // PANEL_KEYS, PANEL_KEYS, kv_heads, head_dim // w, w).copy_(
         k_panels.index_select(0, blocks).permute(0, 2, 4, 1, 3, 5))
-    # [n, KVH, BS/2, D, 2] -> [n, BS/2, 2, KVH, D]
-    values.view(n, block_size // 2, 2, kv_heads, head_dim).copy_(v_pairs.index_select(0, blocks).permute(0, 2, 4, 1, 3))
+    # [n, KVH, BS/w, D, w] -> [n, BS/w, w, KVH, D]
+    values.view(n, block_size // w, w, kv_heads, head_dim).copy_(v_words.index_select(0, blocks).permute(0, 2, 4, 1, 3))
 
 
 def to_layout(rows: torch.Tensor, layout: str) -> torch.Tensor:

@@ -65,10 +65,11 @@ def choose_kv_layout(requested: str, model, dtype: torch.dtype, block_size: int,
     """The pool's layout (model/kv_layout.py): panels where asked for or, with "auto", wherever the model's
     attention backend reads them on this CPU; rows otherwise."""
     fits = (device.type == "cpu" and panels_fit(dtype, block_size, model.config.head_dim)
-            and getattr(model.attention_backend, "reads_panels", False))
+            and hasattr(model.attention_backend, "reads_panels") and model.attention_backend.reads_panels(dtype))
     if requested == PANELS and not fits:
-        raise ValueError("kv_layout='panels' needs a bfloat16 model on a CPU whose attention kernels run the "
-                         "avx512_bf16 tiles, with block_size and head_dim multiples of 16")
+        raise ValueError("kv_layout='panels' needs a model on a CPU whose attention kernels read its dtype's panels "
+                         "(bfloat16: the avx512_bf16 tiles; float32: the AVX-512 tiles), with block_size and "
+                         "head_dim multiples of 16")
     if requested == "auto":
         return PANELS if fits else ROWS
     return requested

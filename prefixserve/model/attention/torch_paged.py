@@ -22,7 +22,7 @@ from prefixserve.model.attention.cascade import DecodePlan, plan_decode
 from prefixserve.model.attention.metadata import AttentionMetadata
 from prefixserve.model.attention.registry import register_backend
 from prefixserve.model.kv_layout import PANELS, ROWS, gather_rows, pool_geometry, write_kv
-from prefixserve.model.native.isa import AVX512_BF16
+from prefixserve.model.native import isa
 from prefixserve.model.native import fused_pointwise, paged_prefill_attention
 from prefixserve.model.native.paged_decode_attention import DecodeState, KernelTables, PagedDecodeAttention, \
     default_kernel
@@ -99,11 +99,10 @@ class TorchPagedAttention(AttentionBackend):
         """The native decode kernel this backend runs where a step's metadata holds its tables."""
         return self._decode_kernel
 
-    @property
-    def reads_panels(self) -> bool:
-        """Whether both native kernels run the bfloat16 tiles, the ones that read a pool of panels."""
+    def reads_panels(self, dtype: torch.dtype) -> bool:
+        """Whether both native kernels run tiles that read a pool of panels of `dtype` (kv_layout.py)."""
         return (self._decode_kernel is not None and self._prefill_kernel is not None
-                and self._decode_kernel.body == AVX512_BF16 and self._prefill_kernel.body == AVX512_BF16)
+                and isa.reads_panels(self._decode_kernel.body, dtype) and isa.reads_panels(self._prefill_kernel.body, dtype))
 
     def build_metadata(self, common: AttentionMetadata) -> TorchPagedMetadata:
         # the native kernel carries a run's state into a sequence's own blocks at a softmax tile's edge
@@ -127,7 +126,7 @@ class TorchPagedAttention(AttentionBackend):
         out = q.new_empty(q.shape)
         if meta.max_query_len > 1:
             kernel = self._prefill_kernel
-            if kernel is not None and kernel.supports(q, kv_cache) and (layout == ROWS or self.reads_panels):
+            if kernel is not None and kernel.supports(q, kv_cache) and (layout == ROWS or self.reads_panels(kv_cache.dtype)):
                 # every chunk of the step in one call, K/V read from the pool (its own already written there)
                 kernel.for_layout(layout)(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
                                           out=out,
@@ -138,7 +137,7 @@ class TorchPagedAttention(AttentionBackend):
         if plan is not None:
             kernel = self._decode_kernel
             if kernel is not None and (step.native is None or not kernel.supports(q, kv_cache)
-                                       or (layout == PANELS and not self.reads_panels)):
+                                       or (layout == PANELS and not self.reads_panels(kv_cache.dtype))):
                 kernel = None
             result = _decode(q if plan.all_rows else q.index_select(0, plan.rows), kv_cache, layout, plan, scale,
                              self._gather, kernel and kernel.for_layout(layout), step.native)

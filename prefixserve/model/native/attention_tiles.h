@@ -161,16 +161,17 @@ static inline void tile_pv8(float* o, long ldo, const float* p, long ldp, const 
  * same fused multiply-adds in the same order as in the AVX2 tiles, so both bodies give the same bits
  * (tests hold them to it), and neither the tile width nor chunking changes anything. */
 
-/* s[r, 0..16 np) = sum_d qp[d, r] * panel_i[d, 0..16) for r < nr over np = 1-4 consecutive K panels (a whole
- * 64-key tile in 24 accumulators: every K load feeds 6 multiply-adds and every broadcast np) */
-AVX512_TARGET static ALWAYS_INLINE void tile_qk512(const float* qp, const float* kp, long d, float* s, long lds,
-                                                  const int np, const int nr) {
+/* s[r, 0..16 np) = sum_d qp[d, r] * panel_j[d, 0..16) for r < nr over np = 1-4 K panels (kp[j]: where panel j
+ * starts, packed or in a pool of panels; a whole 64-key tile in 24 accumulators: every K load feeds nr
+ * multiply-adds and every broadcast np) */
+AVX512_TARGET static ALWAYS_INLINE void tile_qk512(const float* qp, const float* const* kp, long d, float* s,
+                                                  long lds, const int np, const int nr) {
     __m512 c[MR][4];
     for (int r = 0; r < nr; r++)
         for (int j = 0; j < np; j++) c[r][j] = _mm512_setzero_ps();
     for (long i = 0; i < d; i++, qp += MR) {
         __m512 k[4];
-        for (int j = 0; j < np; j++) k[j] = _mm512_loadu_ps(kp + j * KP * d + i * KP);
+        for (int j = 0; j < np; j++) k[j] = _mm512_loadu_ps(kp[j] + i * KP);
         for (int r = 0; r < nr; r++) {
             __m512 a = _mm512_set1_ps(qp[r]);
             for (int j = 0; j < np; j++) c[r][j] = _mm512_fmadd_ps(a, k[j], c[r][j]);
@@ -180,21 +181,27 @@ AVX512_TARGET static ALWAYS_INLINE void tile_qk512(const float* qp, const float*
         for (int j = 0; j < np; j++) _mm512_storeu_ps(s + r * lds + j * KP, c[r][j]);
 }
 
-/* o[r, 0..16 ns) = alpha[r] * o[r, ..] + sum_{j<n} p[r, j] * slab_i[j, 0..16) for r < nr over ns = 1-4 V slabs
- * (16 floats a key; slab i at v + i * slab) */
-AVX512_TARGET static ALWAYS_INLINE void tile_pv512(float* o, long ldo, const float* p, long ldp, const float* v,
-                                                  long slab, long n, const float* alpha, const int ns, const int nr) {
+/* o[r, 0..16 ns) = alpha[r] * o[r, ..] + sum_{j<n} p[r, j] * V_j[16 i..16 i + 16) for r < nr, i < ns = 1-4: key j
+ * is key j % 16 of the tile's panel j / 16, whose 16 columns i lie at vp[panel] + i * slab + (j % 16) * ldv
+ * (packed column slabs: slab = 16 keys, ldv = 16; a pool of panels' rows: slab = 16, ldv = D) */
+AVX512_TARGET static ALWAYS_INLINE void tile_pv512(float* o, long ldo, const float* p, long ldp,
+                                                  const float* const* vp, long slab, long ldv, long n,
+                                                  const float* alpha, const int ns, const int nr) {
     __m512 c[MR][4];
     for (int r = 0; r < nr; r++) {
         __m512 a = _mm512_set1_ps(alpha[r]);
         for (int i = 0; i < ns; i++) c[r][i] = _mm512_mul_ps(a, _mm512_loadu_ps(o + r * ldo + 16 * i));
     }
-    for (long j = 0; j < n; j++) {
-        __m512 x[4];
-        for (int i = 0; i < ns; i++) x[i] = _mm512_loadu_ps(v + i * slab + j * 16);
-        for (int r = 0; r < nr; r++) {
-            __m512 a = _mm512_set1_ps(p[r * ldp + j]);
-            for (int i = 0; i < ns; i++) c[r][i] = _mm512_fmadd_ps(a, x[i], c[r][i]);
+    for (long j0 = 0, pan = 0; j0 < n; j0 += KP, pan++) {
+        const float* v = vp[pan];
+        const long keys = n - j0 < KP ? n - j0 : KP;
+        for (long j = 0; j < keys; j++) {
+            __m512 x[4];
+            for (int i = 0; i < ns; i++) x[i] = _mm512_loadu_ps(v + i * slab + j * ldv);
+            for (int r = 0; r < nr; r++) {
+                __m512 a = _mm512_set1_ps(p[r * ldp + j0 + j]);
+                for (int i = 0; i < ns; i++) c[r][i] = _mm512_fmadd_ps(a, x[i], c[r][i]);
+            }
         }
     }
     for (int r = 0; r < nr; r++)
@@ -543,14 +550,15 @@ AVX512_BF16_TARGET static void scores512_bf16(const unsigned* qw, const float* c
         }
 }
 
-/* Where the K rows of keys k0 .. k0 + n (n <= KT) of one KV head (at element `head` of a token's row)
- * start in the pool, through the sequence's block table, for a whole number of 16-key panels: -1 for
- * the keys at or past len. */
-static inline void tile_rows(const long* table, long block_size, long token_stride, long head, long k0, long n,
-                             long len, long* at) {
+/* Where the K rows of keys k0 .. k0 + n (n <= KT) of one KV head start in the pool, through the sequence's
+ * block table, for a whole number of 16-key panels: -1 for the keys at or past len. A pool of rows holds
+ * the head's row of a slot at element `head` (h * D) of the slot's row (slot_stride = KVH * D elements); a
+ * float32 pool of panels holds its V rows that way with head = h * block_size * D, slot_stride = D. */
+static inline void tile_rows(const long* table, long block_size, long token_stride, long head, long slot_stride,
+                             long k0, long n, long len, long* at) {
     long block = k0 / block_size, slot = k0 % block_size;      /* one division a tile, not one a key */
     for (long j = 0; j < round_up(n, KP); j++) {
-        at[j] = k0 + j < len ? (table[block] * block_size + slot) * token_stride + head : -1;
+        at[j] = k0 + j < len ? table[block] * block_size * token_stride + slot * slot_stride + head : -1;
         if (++slot == block_size) { slot = 0; block++; }
     }
 }
@@ -695,11 +703,13 @@ static void pack_panel(const void* pool, int bf16, int key_words, const long* at
     }
 }
 
-/* A pool of panels (kv_layout.py, bfloat16 pools read by the bfloat16 body): block blk holds KV head h's
- * keys at element (blk * KVH + h) * block_size * D of the K pool, as block_size / KP panels of [D/2][KP]
- * words (pack_keys_bf16's layout), and their values v_offset elements later as block_size / 2 pair rows
- * of D words (pack_values_bf16's). A tile reads a whole panel where it lies: no transposes, and one
- * head's keys of a block are one run of memory instead of rows KVH * D apart. */
+/* A pool of panels (kv_layout.py; bfloat16 pools read by the bfloat16 body, float32 ones by the AVX-512
+ * tiles): block blk holds KV head h's keys at element (blk * KVH + h) * block_size * D of the K pool, as
+ * block_size / KP panels, and their values v_offset elements later. bfloat16: panels of [D/2][KP] words
+ * (pack_keys_bf16's layout), values as block_size / 2 pair rows of D words (pack_values_bf16's); float32:
+ * panels of [D][KP] floats (pack_panel_keys'), values as block_size rows of D floats. A tile reads a whole
+ * panel where it lies: no transposes, and one head's keys of a block are one run of memory instead of rows
+ * KVH * D apart. Either way a panel's K, and its V, are KP * D elements. */
 
 /* where the K panel holding keys key .. key + KP (key a multiple of KP) of KV head h lies in a pool of
  * panels; its V pair rows lie v_offset elements later ((key % block_size) * D either way) */
@@ -709,24 +719,28 @@ static inline long panel_start(const long* table, long block_size, long token_st
 
 AVX512_TARGET static void copy_panel(const void* pool, long k_at, long v_at, long d, long valid, float* kt, float* vp);
 
-/* Where a tile's KT / KP panels (keys k0 .. k0 + n of KV head h, n <= KT) are read in a pool of panels: in
- * place where the sequence (len keys) fills them, else copied into the tile's buffers kt and vr, the tail
- * zero (the buffers: the packing's places, kp / vp of panels past n) */
-static inline void tile_panels(const void* pool, const long* table, long block_size, long token_stride, long v_offset,
-                               long h, long d, long k0, long n, long len, float* kt, float* vr, const float** kp,
-                               const float** vp) {
+/* Where a tile's KT / KP panels (keys k0 .. k0 + n of KV head h, n <= KT) are read in a pool of panels of
+ * elt-byte elements: in place, but for a bfloat16 panel the sequence (len keys) does not fill, copied into
+ * the tile's buffers kt and vr, the tail zero (the buffers: the packing's places, kp / vp of panels past n).
+ * The float32 tiles read such a panel in place: of the keys past len they compute only scores, which the
+ * softmax masks, and they multiply no V row past it; a bfloat16 V pair holds a key past len beside one
+ * before it. */
+static inline void tile_panels(const void* pool, long elt, const long* table, long block_size, long token_stride,
+                               long v_offset, long h, long d, long k0, long n, long len, float* kt, float* vr,
+                               const float** kp, const float** vp) {
+    const long floats = KP * d * elt / 4;       /* a panel's K (and V) in the buffers */
     for (long pan = 0; pan < KT / KP; pan++) {
-        kp[pan] = kt + pan * KP * d / 2;
-        vp[pan] = vr + pan * (KP / 2) * d;
+        kp[pan] = kt + pan * floats;
+        vp[pan] = vr + pan * floats;
         const long key = k0 + pan * KP;
         if (pan * KP >= n) continue;
         const long k_at = panel_start(table, block_size, token_stride, h, d, key);
-        if (key + KP > len) {
-            copy_panel(pool, k_at, v_offset + k_at, d, len - key, kt + pan * KP * d / 2, vr + pan * (KP / 2) * d);
+        if (key + KP > len && elt == 2) {
+            copy_panel(pool, k_at, v_offset + k_at, d, len - key, kt + pan * floats, vr + pan * floats);
             continue;
         }
-        kp[pan] = (const float*)((const unsigned short*)pool + k_at);
-        vp[pan] = (const float*)((const unsigned short*)pool + v_offset + k_at);
+        kp[pan] = (const float*)((const char*)pool + elt * k_at);
+        vp[pan] = (const float*)((const char*)pool + elt * (v_offset + k_at));
     }
 }
 
@@ -734,8 +748,8 @@ static inline void tile_panels(const void* pool, const long* table, long block_s
  * the sequence, copied into kt and vp with those keys' words zero: a slot not yet written may hold
  * whatever its block held before, and a probability of 0 times a NaN left there is still NaN. */
 AVX512_TARGET static void copy_panel(const void* pool, long k_at, long v_at, long d, long valid, float* kt, float* vp) {
-    const unsigned short* pk = (const unsigned short*)pool;
     const __mmask16 keys = valid >= KP ? 0xFFFF : (__mmask16)((1u << valid) - 1);
+    const unsigned short* pk = (const unsigned short*)pool;
     for (long i = 0; i < d / 2; i++)
         _mm512_storeu_ps(kt + i * KP, _mm512_maskz_loadu_ps(keys, (const float*)(pk + k_at) + i * KP));
     const __m512i low = _mm512_set1_epi32(0xFFFF);
@@ -760,13 +774,14 @@ static void scores(const float* qp, const float* kt, long d, float* s, const lon
  * real, as values512 does): with 2 query heads a KV head, 16 sequences stacked over a shared run fill 32
  * of 36 rows, and skipping the 4 took the float32 decode program's step to 0.964x (Zen 4 EPYC, 2 threads,
  * builds alternating every step) */
-AVX512_TARGET static void scores512(const float* qp, const float* kt, long d, float* s, const long* vis,
+AVX512_TARGET static void scores512(const float* qp, const float* const* kp, long d, float* s, const long* vis,
                                     long panels, long last, TileRequest* ahead) {
     for (long kk = 0; kk * KP < KT; kk += 4)
         for (long p = 0; p < panels; p++) {
             if (kk == 0) request_more(ahead);
             float* sp = s + p * MR * KT + kk * KP;
-            const float* q = qp + p * MR * d, * k = kt + kk * KP * d;
+            const float* q = qp + p * MR * d;
+            const float* const* k = kp + kk;
             const int nr = panel_rows(p, panels, last);
             switch (panels_seen(vis[p], kk)) {
                 case 4: FOR_ROWS(nr, tile_qk512, q, k, d, sp, KT, 4); break;
@@ -793,31 +808,42 @@ static void values(float* o, long d, const float* s, const float* vr, long keys,
                                  alpha + p * MR);
 }
 
-AVX512_TARGET static void values512(float* o, long d, const float* s, const float* vr, long keys, long k0,
-                                    const long* vis, const float* alpha, long panels, long last, TileRequest* ahead) {
+/* Where the tile's V lies for values512 when packed into column slabs (`values`' vr, keys, k0): vp[panel],
+ * slab 16 keys, ldv 16, and the 8-column slab of D % 16 == 8 */
+static inline const float* packed_slabs(const float* vr, long keys, long k0, long d, const float** vp) {
+    for (long pan = 0; pan < KT / KP; pan++) vp[pan] = vr + (k0 + pan * KP) * 16;
+    return d % 16 ? vr + (d - d % 16) * keys + k0 * 8 : NULL;
+}
+
+/* values over AVX-512 tiles, 64 columns a tile, the tile's V as tile_pv512 reads it (vp, slab, ldv) and
+ * the last 8 columns where D % 16 == 8 in a packed slab (tail: packed_slabs') */
+AVX512_TARGET static void values512(float* o, long d, const float* s, const float* const* vp, long slab, long ldv,
+                                    const float* tail, const long* vis, const float* alpha, long panels, long last,
+                                    TileRequest* ahead) {
     long c = 0;
     while (c + 16 <= d) {
         /* up to 4 slabs (64 columns) a register tile */
         const int ns = d - c >= 64 ? 4 : (int)((d - c) / 16);
+        const float* v[KT / KP];
+        for (long pan = 0; pan < KT / KP; pan++) v[pan] = vp[pan] + c / 16 * slab;
         for (long p = 0; p < panels; p++) {
             if (!vis[p]) continue;
             request_more(ahead);
             float* op = o + p * MR * d + c;
-            const float* sp = s + p * MR * KT, * v = vr + c * keys + k0 * 16, * a = alpha + p * MR;
+            const float* sp = s + p * MR * KT, * a = alpha + p * MR;
             const int nr = panel_rows(p, panels, last);
             switch (ns) {
-                case 4: FOR_ROWS(nr, tile_pv512, op, d, sp, KT, v, 16 * keys, vis[p], a, 4); break;
-                case 3: FOR_ROWS(nr, tile_pv512, op, d, sp, KT, v, 16 * keys, vis[p], a, 3); break;
-                case 2: FOR_ROWS(nr, tile_pv512, op, d, sp, KT, v, 16 * keys, vis[p], a, 2); break;
-                default: FOR_ROWS(nr, tile_pv512, op, d, sp, KT, v, 16 * keys, vis[p], a, 1); break;
+                case 4: FOR_ROWS(nr, tile_pv512, op, d, sp, KT, v, slab, ldv, vis[p], a, 4); break;
+                case 3: FOR_ROWS(nr, tile_pv512, op, d, sp, KT, v, slab, ldv, vis[p], a, 3); break;
+                case 2: FOR_ROWS(nr, tile_pv512, op, d, sp, KT, v, slab, ldv, vis[p], a, 2); break;
+                default: FOR_ROWS(nr, tile_pv512, op, d, sp, KT, v, slab, ldv, vis[p], a, 1); break;
             }
         }
         c += 16 * ns;
     }
     if (c < d)
         for (long p = 0; p < panels; p++)
-            if (vis[p]) tile_pv8(o + p * MR * d + c, d, s + p * MR * KT, KT, vr + c * keys + k0 * 8, 8, vis[p],
-                                 alpha + p * MR);
+            if (vis[p]) tile_pv8(o + p * MR * d + c, d, s + p * MR * KT, KT, tail, 8, vis[p], alpha + p * MR);
 }
 
 #endif

@@ -171,34 +171,40 @@ static inline void norm_rotate_bf16(const uint16_t* src, uint16_t* dst, const ui
 static inline __m256 load_f32(const float* p) { return _mm256_loadu_ps(p); }
 static inline void store_f32(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 
-/* One head's K row (d elements, 32-bit words of two) into its column of the panel holding slot `at` of
- * the head's region, and its V row into the halves of its pair row (kv_layout.py); 2-byte elements */
-static inline void put_panel_k(uint16_t* region, long at, long d, const uint16_t* row) {
-    uint32_t* panel = (uint32_t*)(region + at / 16 * 16 * d) + at % 16;
-    const uint32_t* words = (const uint32_t*)row;
-    for (long i = 0; i < d / 2; i++) panel[i * 16] = words[i];
+/* One head's K row (d elements of elt = 2 or 4 bytes) into its column of the panel holding slot `at` of the
+ * head's region (its 32-bit words, bfloat16 pairs or floats, down the column), and its V row into the halves
+ * of its pair row (bfloat16) or its row (float32) (kv_layout.py) */
+static inline void put_panel_k(void* region, long at, long d, long elt, const void* row) {
+    const long words = d * elt / 4;
+    uint32_t* panel = (uint32_t*)region + at / 16 * 16 * words + at % 16;
+    const uint32_t* w = (const uint32_t*)row;
+    for (long i = 0; i < words; i++) panel[i * 16] = w[i];
 }
 
-static inline void put_panel_v(uint16_t* region, long at, long d, const uint16_t* row) {
-    uint16_t* pair = region + at / 2 * 2 * d + at % 2;
-    for (long e = 0; e < d; e++) pair[2 * e] = row[e];
+static inline void put_panel_v(void* region, long at, long d, long elt, const void* row) {
+    if (elt == 4) {
+        memcpy((float*)region + at * d, row, sizeof(float) * d);
+        return;
+    }
+    uint16_t* pair = (uint16_t*)region + at / 2 * 2 * d + at % 2;
+    const uint16_t* x = (const uint16_t*)row;
+    for (long e = 0; e < d; e++) pair[2 * e] = x[e];
 }
 
-/* Tokens' K and V rows ([T, k_heads, d] at row strides k_stride and v_stride elements, heads contiguous)
- * into slots[t] of a bfloat16 pool of panels (K region of block b, head h at (b * k_heads + h) *
+/* Tokens' K and V rows ([T, k_heads, d] at row strides k_stride and v_stride elements of elt bytes, heads
+ * contiguous) into slots[t] of a pool of panels (K region of block b, head h at (b * k_heads + h) *
  * block_size * d of k_pool; V the same in v_pool): a prefill's writes. 1200 tokens of 8 heads of 128 over
- * whole blocks: 1.0 ms, against 9.1 ms for torch's indexed copy through the panels' strides and 0.94 ms for
- * its index_copy_ into a pool of rows (2-core Zen 4 EPYC). The caller checks the slots. */
-void write_panels_bf16(const uint16_t* k, long k_stride, const uint16_t* v, long v_stride, uint16_t* k_pool,
-                       uint16_t* v_pool, const long* slots, long tokens, long k_heads, long d, long block_size,
-                       int threads) {
+ * whole blocks, bfloat16: 1.0 ms, against 9.1 ms for torch's indexed copy through the panels' strides and
+ * 0.94 ms for its index_copy_ into a pool of rows (2-core Zen 4 EPYC). The caller checks the slots. */
+void write_panels(const void* k, long k_stride, const void* v, long v_stride, void* k_pool, void* v_pool,
+                  const long* slots, long tokens, long k_heads, long d, long block_size, long elt, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static) if (tokens * k_heads * d >= PARALLEL_MIN_FLOATS)
     for (long t = 0; t < tokens; t++) {
         const long block = slots[t] / block_size, at = slots[t] % block_size;
         for (long h = 0; h < k_heads; h++) {
-            const long region = (block * k_heads + h) * block_size * d;
-            put_panel_k(k_pool + region, at, d, k + t * k_stride + h * d);
-            put_panel_v(v_pool + region, at, d, v + t * v_stride + h * d);
+            const long region = elt * (block * k_heads + h) * block_size * d;
+            put_panel_k((char*)k_pool + region, at, d, elt, (const char*)k + elt * (t * k_stride + h * d));
+            put_panel_v((char*)v_pool + region, at, d, elt, (const char*)v + elt * (t * v_stride + h * d));
         }
     }
 }
@@ -234,14 +240,13 @@ TARGET void qk_norm_rope##S(const T* qkv, long row_stride, long q_heads, long k_
             if (v_out) memcpy(v_out + row, src + heads * d, sizeof(T) * k_heads * d);                      \
             continue;                                                                                      \
         }                                                                                                  \
-        /* panels hold bfloat16 only (the caller checks) */                                                \
         const long block = slots[t] / block_size, at = slots[t] % block_size;                              \
         T k_row[d];                                                                                        \
         for (long h = 0; h < k_heads; h++) {                                                               \
             const long region = (block * k_heads + h) * block_size * d;                                    \
             NORM_ROTATE(src + (q_heads + h) * d, k_row, k_weight, eps, c, s, d);                           \
-            put_panel_k((uint16_t*)(k_out + region), at, d, (const uint16_t*)k_row);                       \
-            if (v_out) put_panel_v((uint16_t*)(v_out + region), at, d, (const uint16_t*)(src + (heads + h) * d)); \
+            put_panel_k(k_out + region, at, d, sizeof(T), k_row);                                          \
+            if (v_out) put_panel_v(v_out + region, at, d, sizeof(T), src + (heads + h) * d);               \
         }                                                                                                  \
     }                                                                                                      \
 }

@@ -43,9 +43,9 @@ class FusedPointwise:
                     "silu_and_mul": [_float_p, _float_p, _long, _long, _int]}
         # float32 and bfloat16 take the same signatures (pointers are untyped here)
         self._fns = {}
-        self._write_panels = library.write_panels_bf16
+        self._write_panels = library.write_panels
         self._write_panels.argtypes = ([_float_p, _long, _float_p, _long, _float_p, _float_p, _float_p]
-                                       + [_long] * 4 + [_int])
+                                       + [_long] * 5 + [_int])
         self._write_panels.restype = None
         for name in self.NAMES:
             for dtype, suffix in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
@@ -132,18 +132,19 @@ class FusedPointwise:
 
     def write_panels(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Tokens' K and V [T, KVH, D] (rows of any stride, each token's heads contiguous) into their slots of
-        one layer's bfloat16 pool of panels (kv_layout.py): what kv_layout.write_kv does, natively."""
+        one layer's pool of panels (kv_layout.py; K/V in the pool's dtype): what kv_layout.write_kv does,
+        natively."""
         _, _, kv_heads, _, head_dim = kv_cache.shape
-        tokens = slots.shape[0]
+        tokens, dtype = slots.shape[0], kv_cache.dtype
         for name, x in (("k", k), ("v", v)):
-            if (x.shape != (tokens, kv_heads, head_dim) or x.dtype is not torch.bfloat16 or not x.is_cpu
+            if (x.shape != (tokens, kv_heads, head_dim) or x.dtype is not dtype or not x.is_cpu
                     or x.stride(2) != 1 or x.stride(1) != head_dim):
                 raise ValueError(f"write_panels: {name} {tuple(x.shape)} {x.dtype} is not [{tokens}, {kv_heads}, "
-                                 f"{head_dim}] bfloat16 CPU rows of contiguous heads")
-        block_size = check_slots(kv_cache[0], kv_cache[1], slots, tokens, (kv_heads, head_dim), torch.bfloat16, PANELS)
+                                 f"{head_dim}] {dtype} CPU rows of contiguous heads")
+        block_size = check_slots(kv_cache[0], kv_cache[1], slots, tokens, (kv_heads, head_dim), dtype, PANELS)
         self._write_panels(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kv_cache[0].data_ptr(),
                            kv_cache[1].data_ptr(), slots.data_ptr(), tokens, kv_heads, head_dim, block_size,
-                           torch.get_num_threads())
+                           kv_cache.element_size(), torch.get_num_threads())
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up [T, 2 I] holding gate then up in each row: [T, I]."""

@@ -19,6 +19,14 @@ def cpu_probe(name: str) -> bool:
     return bool(probe()) if probe is not None else False
 
 
+def reads_panels(body: str, dtype: torch.dtype) -> bool:
+    """Whether the attention kernels' tiles in `body` read a pool of panels of `dtype` (kv_layout.py): a
+    bfloat16 pool's in word pairs (the avx512_bf16 body), a float32 pool's in the AVX-512 tiles."""
+    if dtype == torch.bfloat16:
+        return body == AVX512_BF16
+    return dtype == torch.float32 and body in (AVX512, AVX512_BF16)
+
+
 def best_isa() -> str:
     """The widest body this CPU and OS run, as torch sees them."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":

@@ -28,12 +28,14 @@
  * (bfloat16), 1.05-1.15x (float32: the transposes the shared tiles need cost a few-row task more than
  * the lane sums they replace); 16 unshared sequences over 1024 0.76x (bfloat16), 1.02-1.11x (float32).
  *
- * A pool of panels (layout 1, kv_layout.py; the bfloat16 body) holds each head's keys of a block as those
- * panels and its values as those pairs already: the tiles read them where they lie, and only a sequence's
- * last, partly written panel is copied (its tail zero). 16 sequences x 8 KV heads over a shared 1024-token
- * run with 48 keys of their own each, 2-core Zen 4 EPYC, against the same calls packing rows: the run's
- * call 0.81x the time (K/V in cache), 0.83x (from memory), the own blocks' 0.77x, 0.84x; the decode
- * program's whole step 0.96x.
+ * A pool of panels (layout 1, kv_layout.py; a bfloat16 pool in the bfloat16 body, a float32 one in the
+ * AVX-512 tiles) holds each head's keys of a block as those panels and its values as those pairs (bfloat16)
+ * or as rows a tile reads where they lie (float32): nothing is packed, but a bfloat16 sequence's last,
+ * partly written panel is copied (its tail zero). 16 sequences x 8 KV heads over a shared 1024-token run
+ * with 48 keys of their own each, 2-core Zen 4 EPYC, against the same calls packing rows: bfloat16, the
+ * run's call 0.81x the time (K/V in cache), 0.83x (from memory), the own blocks' 0.77x, 0.84x, the decode
+ * program's whole step 0.96x; float32, the run's 0.79x, 0.79x, the own blocks' 0.64x, 0.95x, the step
+ * 0.96x.
  *
  * pool: [2, num_blocks, block_size, KVH, D] (K then V; panels: [2, num_blocks, KVH, block_size, D]);
  * q, out: [B, KVH, R, D] float32 (with a bfloat16 pool holding bfloat16 values: the model's queries,
@@ -98,12 +100,12 @@ static void end_rows(const float* o, const float* m, const float* l, float* acc,
  * body's scores run on the 6-row tiles, one call; request_rest asks for what is left) */
 #define FEW_REQUEST_POINTS (KT / (2 * KP) + KT / KP)
 
-/* s[r, 0..32) = sum_d qp[d, r] * (two consecutive K panels)[d, 0..32) for r < nr; qp a [D][6] panel */
-static ALWAYS_INLINE void qk_few(const float* qp, const float* kt, long d, float* s, long lds, const int nr) {
+/* s[r, 0..32) = sum_d qp[d, r] * (K panels kt, kt1)[d, 0..32) for r < nr; qp a [D][6] panel */
+static ALWAYS_INLINE void qk_few(const float* qp, const float* kt, const float* kt1, long d, float* s, long lds,
+                                 const int nr) {
     __m256 c[FEW_ROWS][4];
     for (int r = 0; r < nr; r++)
         for (int j = 0; j < 4; j++) c[r][j] = _mm256_setzero_ps();
-    const float* kt1 = kt + KP * d;
     for (long i = 0; i < d; i++) {
         const __m256 k0 = _mm256_loadu_ps(kt + i * KP), k1 = _mm256_loadu_ps(kt + i * KP + 8);
         const __m256 k2 = _mm256_loadu_ps(kt1 + i * KP), k3 = _mm256_loadu_ps(kt1 + i * KP + 8);
@@ -122,11 +124,11 @@ static ALWAYS_INLINE void qk_few(const float* qp, const float* kt, long d, float
 /* qk_few over a bfloat16 pool's keys packed as word pairs (pack_keys_bf16: [D/2][16] words a panel),
  * widened here: half the transposing of widened keys, much of a few-row task's work. Each lane
  * still multiplies dimension 2i before 2i + 1, the same chain as qk_few. */
-static ALWAYS_INLINE void qk_few_pairs(const float* qp, const float* kt, long d, float* s, long lds, const int nr) {
+static ALWAYS_INLINE void qk_few_pairs(const float* qp, const float* kt, const float* kt1, long d, float* s,
+                                       long lds, const int nr) {
     __m256 c[FEW_ROWS][4];
     for (int r = 0; r < nr; r++)
         for (int j = 0; j < 4; j++) c[r][j] = _mm256_setzero_ps();
-    const float* kt1 = kt + KP * d / 2;
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     for (long i = 0; i < d / 2; i++) {
         const __m256i w[4] = {_mm256_loadu_si256((const __m256i*)(kt + i * KP)),
@@ -226,14 +228,14 @@ AVX512_BF16_TARGET static void values_few_bf16(float* o, long d, const unsigned 
     else values_few_bf16_rows(o, d, pw, pool, v, n, alpha, ahead, 3);
 }
 
-/* One tile's scores for nr rows: the key panels two at a time (a lone last one beside the next panel's
- * slot, whose scores land in columns never read) */
-static ALWAYS_INLINE void scores_few(const float* qp, const float* kt, long d, float* s, long n, int pairs,
+/* One tile's scores for nr rows: the key panels (kp[panel]) two at a time (a lone last one beside the next
+ * panel's slot, whose scores land in columns never read) */
+static ALWAYS_INLINE void scores_few(const float* qp, const float* const* kp, long d, float* s, long n, int pairs,
                                      TileRequest* ahead, const int nr) {
     for (long pan = 0; pan * KP < n; pan += 2) {
         request_more(ahead);
-        if (pairs) qk_few_pairs(qp, kt + pan * KP * d / 2, d, s + pan * KP, KT, nr);
-        else qk_few(qp, kt + pan * KP * d, d, s + pan * KP, KT, nr);
+        if (pairs) qk_few_pairs(qp, kp[pan], kp[pan + 1], d, s + pan * KP, KT, nr);
+        else qk_few(qp, kp[pan], kp[pan + 1], d, s + pan * KP, KT, nr);
     }
 }
 
@@ -282,9 +284,9 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                             long group, int body, int layout, int threads) {
     const long d = head_dim;
     const int avx512 = body >= 1, key_words = body == 2 && pool_bf16 && d % 16 == 0;
-    /* a pool of panels (layout 1) is read by the bfloat16 body only; the caller checks (a block a whole
-     * number of panels) */
-    const int panel_pool = layout == 1 && key_words;
+    /* a pool of panels (layout 1) is read by the bfloat16 body (a bfloat16 pool) or the AVX-512 tiles (a
+     * float32 one); the caller checks (a block a whole number of panels) */
+    const int panel_pool = layout == 1 && (key_words || (avx512 && !pool_bf16 && d % 16 == 0));
     const long token_stride = kv_heads * d;
     const long block_stride = block_size * token_stride;
     const long v_offset = num_blocks * block_stride;          /* the V pool follows the K pool */
@@ -343,9 +345,11 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                     vp[pan] = vr + pan * (KP / 2) * d;
                 }
                 if (panel_pool) {
-                    tile_panels(pool, table, block_size, token_stride, v_offset, h, d, k0, n, len, kt, vr, kp, vp);
+                    tile_panels(pool, elt, table, block_size, token_stride, v_offset, h, d, k0, n, len, kt, vr, kp, vp);
+                    /* a few rows read a float32 pool's V rows in place, as in a pool of rows */
+                    if (few && !key_words) tile_rows(table, block_size, token_stride, h * block_size * d, d, k0, n, len, at);
                 } else {
-                    tile_rows(table, block_size, token_stride, h * d, k0, n, len, at);
+                    tile_rows(table, block_size, token_stride, h * d, token_stride, k0, n, len, at);
                     for (long pan = 0; pan * KP < n; pan++) {
                         if (few)
                             pack_panel_keys(pool, pool_bf16, key_words || few_pairs, at + pan * KP, d,
@@ -368,15 +372,15 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                 /* every row of a decode task sits after all of the tile's keys */
                 for (long p = 0; p < panels; p++) vis[p] = n;
                 if (key_words) scores512_bf16(qw, kp, d, s, vis, panels, last, qscale, &ahead);
-                else if (rows == 1) scores_few(qp, kt, d, s, n, few_pairs, &ahead, 1);
-                else if (rows == 2) scores_few(qp, kt, d, s, n, few_pairs, &ahead, 2);
-                else if (rows == 3) scores_few(qp, kt, d, s, n, few_pairs, &ahead, 3);
-                else if (avx512) scores512(qp, kt, d, s, vis, panels, last, &ahead);
+                else if (rows == 1) scores_few(qp, kp, d, s, n, few_pairs, &ahead, 1);
+                else if (rows == 2) scores_few(qp, kp, d, s, n, few_pairs, &ahead, 2);
+                else if (rows == 3) scores_few(qp, kp, d, s, n, few_pairs, &ahead, 3);
+                else if (avx512) scores512(qp, kp, d, s, vis, panels, last, &ahead);
                 else scores(qp, kt, d, s, vis, panels);
                 /* padding rows are never read where the tiles skip them (the AVX-512 ones, a few rows') */
                 softmax_rows_in(avx512, s, 0, few || avx512 ? rows : padded, &n, 0, round_up(n, 8), m, l, alpha);
-                for (long j = 0; few && !panel_pool && j < n; j++) vrow[j] = at[j] + v_offset;
-                if (panel_pool && few) {
+                for (long j = 0; few && !(panel_pool && key_words) && j < n; j++) vrow[j] = at[j] + v_offset;
+                if (panel_pool && key_words && few) {
                     probabilities_bf16(s, rows, pw);
                     values_few_pairs(o, d, pw, vp, n, alpha, &ahead, rows);
                 }
@@ -391,7 +395,11 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                 else if (rows == 1) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 1);
                 else if (rows == 2) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 2);
                 else if (rows == 3) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 3);
-                else if (avx512) values512(o, d, s, vr, KT, 0, vis, alpha, panels, last, &ahead);
+                else if (avx512 && panel_pool) values512(o, d, s, vp, 16, d, NULL, vis, alpha, panels, last, &ahead);
+                else if (avx512) {
+                    const float* tail = packed_slabs(vr, KT, 0, d, vp);
+                    values512(o, d, s, vp, 16 * KT, 16, tail, vis, alpha, panels, last, &ahead);
+                }
                 else values(o, d, s, vr, KT, 0, vis, alpha, panels);
                 request_rest(&ahead);
             }

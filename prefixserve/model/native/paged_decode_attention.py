@@ -17,7 +17,7 @@ import torch
 
 from prefixserve.model.kv_layout import LAYOUT_CODES, PANELS, ROWS, check_layout, pool_geometry
 from prefixserve.model.native.build import load_default, load_kernel
-from prefixserve.model.native.isa import AVX512_BF16, BODY_CODES, ISAS, best_isa
+from prefixserve.model.native.isa import AVX2, BODY_CODES, ISAS, best_isa, reads_panels
 
 
 @dataclass
@@ -79,8 +79,8 @@ class PagedDecodeAttention:
             raise ValueError(f"unknown body {self.body!r}; one of {ISAS}")
         check_layout(layout)
         # a pool of panels is read by the bfloat16 tiles only
-        if layout == PANELS and self.body != AVX512_BF16:
-            raise ValueError(f"a pool of panels needs the {AVX512_BF16} body, not {self.body}")
+        if layout == PANELS and self.body == AVX2:
+            raise ValueError(f"a pool of panels needs AVX-512 tiles, not the {AVX2} body")
         self.layout = layout
 
     def with_body(self, body: str) -> "PagedDecodeAttention":
@@ -193,6 +193,8 @@ class PagedDecodeAttention:
             raise ValueError("q must be contiguous")
         batch, kv_heads, rows, head_dim = q.shape
         num_blocks, block_size, pool_heads, pool_dim = pool_geometry(kv_cache, self.layout)
+        if self.layout == PANELS and not reads_panels(self.body, kv_cache.dtype):
+            raise ValueError(f"the {self.body} tiles do not read a {kv_cache.dtype} pool of panels")
         width, members = tables.tables.shape[1], tables.members
         tasks, task_rows = (1, len(members) * rows) if members is not None else (batch, rows)
         if (pool_heads, pool_dim) != (kv_heads, head_dim) or tables.tables.shape[0] != tasks:

@@ -19,9 +19,10 @@
  * keys once (find_shared_keys): 16 chunks of 34 tokens over one 1024-token document, bfloat16,
  * 21.2 -> 13.3 ms a layer, the copies no longer spilling out of the caches.
  *
- * A pool of panels (layout 1, kv_layout.py; bfloat16 body) already holds each head's keys of a block as
- * packed panels in one run of memory: phase 1 copies nothing and every tile reads its panels where they
- * lie, but for a sequence's last, partly written panel, copied with the keys past its end zero.
+ * A pool of panels (layout 1, kv_layout.py; a bfloat16 pool in the bfloat16 body, a float32 one in the
+ * AVX-512 tiles) already holds each head's keys of a block as packed panels in one run of memory, and its
+ * values as the tiles read them: phase 1 copies nothing and every tile reads its panels where they lie,
+ * but for a bfloat16 sequence's last, partly written panel, copied with the keys past its end zero.
  *
  * A sequence whose queries make a single work item per KV head and that shares no keys with another
  * (a new turn of tens of tokens over a cached history of thousands) skips phase 1: its item packs each
@@ -170,9 +171,10 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
     /* body: 0 the AVX2 tiles, 1 the AVX-512 tiles, 2 those with a bfloat16 pool's keys in word pairs */
     /* a bfloat16 pool's keys in word pairs (head dims of whole 16-element rows: every model's) */
     const int avx512 = body >= 1, key_words = body == 2 && pool_bf16 && d % 16 == 0;
-    /* a pool of panels (layout 1, bfloat16 body only; the caller checks): every tile reads its panels where
-     * they lie, nothing is packed in phase 1 or per tile but a sequence's last, partly filled panel */
-    const int panel_pool = layout == 1 && key_words;
+    /* a pool of panels (layout 1: a bfloat16 pool in the bfloat16 body, a float32 one in the AVX-512 tiles;
+     * the caller checks): every tile reads its panels where they lie, nothing is packed in phase 1 or per
+     * tile but a bfloat16 sequence's last, partly filled panel */
+    const int panel_pool = layout == 1 && (key_words || (avx512 && !pool_bf16 && d % 16 == 0));
     const long kstride = key_words ? KP * d / 2 : KP * d;     /* floats from one K panel to the next */
     const long token_stride = kv_heads * d;
     const long block_stride = block_size * token_stride;
@@ -335,11 +337,11 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                 const float* vp[KT / KP];
                 if (panel_pool) {
                     const long n = last + 1 - k0 < KT ? last + 1 - k0 : KT;
-                    tile_panels(pool, table, block_size, token_stride, v_offset, w.h, d, k0, n, len, tile_k, tile_v,
-                                kp, vp);
+                    tile_panels(pool, elt, table, block_size, token_stride, v_offset, w.h, d, k0, n, len, tile_k,
+                                tile_v, kp, vp);
                 } else if (stream) {
                     const long n = last + 1 - k0 < KT ? last + 1 - k0 : KT;
-                    tile_rows(table, block_size, token_stride, w.h * d, k0, n, len, at);
+                    tile_rows(table, block_size, token_stride, w.h * d, token_stride, k0, n, len, at);
                     for (long pan = 0; pan * KP < n; pan++)
                         pack_panel(pool, pool_bf16, key_words, at + pan * KP, v_offset, d, tile_k + pan * kstride, tile_v,
                                    KT, pan * KP);
@@ -351,7 +353,7 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                 if (key_words)
                     scores512_bf16(qw, kp, d, s, vis, panels, last_rows, qscale, &ahead);
                 else if (avx512)
-                    scores512(qp, kpan, d, s, vis, panels, last_rows, &ahead);
+                    scores512(qp, kp, d, s, vis, panels, last_rows, &ahead);
                 else
                     scores(qp, kpan, d, s, vis, panels);
                 /* the softmax over runs of row panels whose tiles have the same columns */
@@ -377,8 +379,12 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                     probabilities_bf16(s, rows, pw);
                     values512_bf16(o, d, pw, vp, vis, alpha, panels, last_rows, &ahead);
                 }
-                else if (avx512)
-                    values512(o, d, s, vslab, vkeys, vk0, vis, alpha, panels, last_rows, &ahead);
+                else if (avx512 && panel_pool)
+                    values512(o, d, s, vp, 16, d, NULL, vis, alpha, panels, last_rows, &ahead);
+                else if (avx512) {
+                    const float* tail = packed_slabs(vslab, vkeys, vk0, d, vp);
+                    values512(o, d, s, vp, 16 * vkeys, 16, tail, vis, alpha, panels, last_rows, &ahead);
+                }
                 else
                     values(o, d, s, vslab, vkeys, vk0, vis, alpha, panels);
                 request_rest(&ahead);

@@ -22,7 +22,7 @@ import torch
 
 from prefixserve.model.kv_layout import LAYOUT_CODES, PANELS, ROWS, check_layout, pool_geometry
 from prefixserve.model.native.build import load_default, load_kernel
-from prefixserve.model.native.isa import AVX512_BF16, BODY_CODES, ISAS, best_isa
+from prefixserve.model.native.isa import AVX2, BODY_CODES, ISAS, best_isa, reads_panels
 
 
 class PagedPrefillAttention:
@@ -30,7 +30,7 @@ class PagedPrefillAttention:
 
     Sequence b's queries are rows query_start_loc[b]:query_start_loc[b + 1] of q [T, H, D];
     they are the last of its seq_lens[b] positions, whose K/V are already in the pool
-    kv_cache (kv_layout.py: rows [2, num_blocks, block_size, KVH, D] or, for the bfloat16 tiles, panels)
+    kv_cache (kv_layout.py: rows [2, num_blocks, block_size, KVH, D] or, for the AVX-512 tiles, panels)
     at the blocks tables[b]. Each query attends
     causally (to the keys up to its own position); query head j reads KV head j // (H / KVH).
     """
@@ -51,8 +51,8 @@ class PagedPrefillAttention:
         if self.body not in ISAS:
             raise ValueError(f"unknown body {self.body!r}; one of {ISAS}")
         check_layout(layout)
-        if layout == PANELS and self.body != AVX512_BF16:
-            raise ValueError(f"a pool of panels needs the {AVX512_BF16} body, not {self.body}")
+        if layout == PANELS and self.body == AVX2:
+            raise ValueError(f"a pool of panels needs AVX-512 tiles, not the {AVX2} body")
         self.layout = layout
 
     def with_body(self, body: str) -> "PagedPrefillAttention":
@@ -82,6 +82,8 @@ class PagedPrefillAttention:
         callers that keep one buffer across calls; a fresh tensor when None."""
         tokens, heads, head_dim = q.shape
         num_blocks, block_size, kv_heads, pool_dim = pool_geometry(kv_cache, self.layout)
+        if self.layout == PANELS and not reads_panels(self.body, kv_cache.dtype):
+            raise ValueError(f"the {self.body} tiles do not read a {kv_cache.dtype} pool of panels")
         batch = seq_lens.shape[0]
         if (pool_dim != head_dim or heads % kv_heads or query_start_loc.shape != (batch + 1,)
                 or tables.dim() != 2 or tables.shape[0] != batch):
