@@ -80,11 +80,12 @@ static int served(const long* starts, long b, long min_qlen) {
     return n > 0 && n >= min_qlen;
 }
 
-/* Floats of `work` a call needs (per served sequence and KV head: its keys rounded up to 16, K and V),
- * or, for arguments the kernel must not run on: -1 starts that fall or leave the `tokens` rows of q,
- * -2 a sequence with more queries than positions, -3 a length past the `capacity` of its block table. */
+/* Floats of `work` a call needs (per served sequence and KV head: its keys rounded up to 16, K and V; none
+ * over a pool of panels, layout 1, which is read where it lies), or, for arguments the kernel must not run
+ * on: -1 starts that fall or leave the `tokens` rows of q, -2 a sequence with more queries than positions,
+ * -3 a length past the `capacity` of its block table. */
 long paged_prefill_workspace(const long* seq_lens, const long* starts, long batch, long kv_heads, long head_dim,
-                             long min_qlen, long tokens, long capacity) {
+                             long min_qlen, long tokens, long capacity, int layout) {
     long total = 0;
     if (batch > 0 && (starts[0] < 0 || starts[batch] > tokens)) return -1;
     for (long b = 0; b < batch; b++) {
@@ -93,7 +94,7 @@ long paged_prefill_workspace(const long* seq_lens, const long* starts, long batc
         if (seq_lens[b] > capacity) return -3;
         if (served(starts, b, min_qlen)) total += 2 * kv_heads * round_up(seq_lens[b], KP) * head_dim;
     }
-    return total;
+    return layout == 1 ? 0 : total;
 }
 
 /* Sequences whose block tables begin with the same blocks (a shared prefix, the documents and system
@@ -277,12 +278,13 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
             const Item w = items[it];
             const long len = seq_lens[w.b], ctx = len - qlens[w.b];
             const long npan = round_up(len, KP) / KP;
-            const float* kt = work + offset[w.b] + w.h * 2 * npan * KP * d;
-            const float* vr = kt + npan * KP * d;
+            /* where phase 1 packed the item's keys (a pool of panels: nowhere, and `work` holds nothing) */
+            const float* kt = panel_pool ? NULL : work + offset[w.b] + w.h * 2 * npan * KP * d;
+            const float* vr = panel_pool ? NULL : kt + npan * KP * d;
             /* the keys before shared[b] are read where the sequence's leader packed them */
             const long lead = leader[w.b], lead_pan = lead >= 0 ? round_up(seq_lens[lead], KP) / KP : 0;
-            const float* lead_kt = lead >= 0 ? work + offset[lead] + w.h * 2 * lead_pan * KP * d : kt;
-            const float* lead_vr = lead_kt + lead_pan * KP * d;
+            const float* lead_kt = lead >= 0 && !panel_pool ? work + offset[lead] + w.h * 2 * lead_pan * KP * d : kt;
+            const float* lead_vr = panel_pool ? NULL : lead_kt + lead_pan * KP * d;
             const long rows = w.nt * group, panels = (rows + MR - 1) / MR, last_rows = rows - (panels - 1) * MR;
             const long first = starts[w.b] + w.t0;
             const long last = ctx + w.t0 + w.nt - 1;             /* the block's furthest position */
@@ -348,7 +350,7 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                 }
                 /* S = Q K^T, only the 16-key panels at or below each row panel's diagonal */
                 const int led = k0 < shared[w.b];
-                const float* kpan = stream ? tile_k : (led ? lead_kt : kt) + (k0 / KP) * kstride;
+                const float* kpan = stream ? tile_k : panel_pool ? NULL : (led ? lead_kt : kt) + (k0 / KP) * kstride;
                 for (long pan = 0; !panel_pool && pan < KT / KP; pan++) kp[pan] = kpan + pan * kstride;
                 if (key_words)
                     scores512_bf16(qw, kp, d, s, vis, panels, last_rows, qscale, &ahead);

@@ -43,7 +43,7 @@ class PagedPrefillAttention:
                              + [ctypes.c_float] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3)
         self._workspace = library.paged_prefill_workspace
         self._workspace.restype = ctypes.c_long
-        self._workspace.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 6
+        self._workspace.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 6 + [ctypes.c_int]
         self._library = library
         # the widest tiles the CPU runs (torch asks the CPU and the OS): AVX-512 gives the AVX2 bits;
         # with avx512_bf16 a bfloat16 pool's keys are multiplied in bfloat16 pairs, summed in float32
@@ -98,7 +98,7 @@ class PagedPrefillAttention:
         query_start_loc, seq_lens, tables = query_start_loc.contiguous(), seq_lens.contiguous(), tables.contiguous()
         # sizes the scratch and checks the lengths, in C: tensor ops here would cost more than small calls
         need = self._workspace(seq_lens.data_ptr(), query_start_loc.data_ptr(), batch, kv_heads, head_dim,
-                               min_query_len, tokens, tables.shape[1] * block_size)
+                               min_query_len, tokens, tables.shape[1] * block_size, LAYOUT_CODES[self.layout])
         if need < 0:
             raise ValueError(_ERRORS[need])
         if q.stride(2) != 1 or q.stride(1) != head_dim:
