@@ -183,7 +183,8 @@ AVX512_TARGET static ALWAYS_INLINE void tile_qk512(const float* qp, const float*
 
 /* o[r, 0..16 ns) = alpha[r] * o[r, ..] + sum_{j<n} p[r, j] * V_j[16 i..16 i + 16) for r < nr, i < ns = 1-4: key j
  * is key j % 16 of the tile's panel j / 16, whose 16 columns i lie at vp[panel] + i * slab + (j % 16) * ldv
- * (packed column slabs: slab = 16 keys, ldv = 16; a pool of panels' rows: slab = 16, ldv = D) */
+ * (column slabs packed for `keys` keys: slab = 16 * keys, ldv = 16; a pool of panels' rows: slab = 16,
+ * ldv = D) */
 AVX512_TARGET static ALWAYS_INLINE void tile_pv512(float* o, long ldo, const float* p, long ldp,
                                                   const float* const* vp, long slab, long ldv, long n,
                                                   const float* alpha, const int ns, const int nr) {
@@ -712,7 +713,7 @@ static void pack_panel(const void* pool, int bf16, int key_words, const long* at
  * KVH * D apart. Either way a panel's K, and its V, are KP * D elements. */
 
 /* where the K panel holding keys key .. key + KP (key a multiple of KP) of KV head h lies in a pool of
- * panels; its V pair rows lie v_offset elements later ((key % block_size) * D either way) */
+ * panels; its V (pair) rows lie v_offset elements later ((key % block_size) * D either way) */
 static inline long panel_start(const long* table, long block_size, long token_stride, long h, long d, long key) {
     return table[key / block_size] * block_size * token_stride + (h * block_size + key % block_size) * d;
 }
@@ -744,12 +745,12 @@ static inline void tile_panels(const void* pool, long elt, const long* table, lo
     }
 }
 
-/* A panel of a pool of panels (K at element k_at, V pairs at v_at) whose keys from `valid` on lie past
+/* A panel of a bfloat16 pool of panels (K at element k_at, V pairs at v_at) whose keys from `valid` on lie past
  * the sequence, copied into kt and vp with those keys' words zero: a slot not yet written may hold
  * whatever its block held before, and a probability of 0 times a NaN left there is still NaN. */
 AVX512_TARGET static void copy_panel(const void* pool, long k_at, long v_at, long d, long valid, float* kt, float* vp) {
-    const __mmask16 keys = valid >= KP ? 0xFFFF : (__mmask16)((1u << valid) - 1);
     const unsigned short* pk = (const unsigned short*)pool;
+    const __mmask16 keys = valid >= KP ? 0xFFFF : (__mmask16)((1u << valid) - 1);
     for (long i = 0; i < d / 2; i++)
         _mm512_storeu_ps(kt + i * KP, _mm512_maskz_loadu_ps(keys, (const float*)(pk + k_at) + i * KP));
     const __m512i low = _mm512_set1_epi32(0xFFFF);
@@ -808,8 +809,8 @@ static void values(float* o, long d, const float* s, const float* vr, long keys,
                                  alpha + p * MR);
 }
 
-/* Where the tile's V lies for values512 when packed into column slabs (`values`' vr, keys, k0): vp[panel],
- * slab 16 keys, ldv 16, and the 8-column slab of D % 16 == 8 */
+/* Where the tile's V lies for values512 when packed into column slabs (`values`' vr, keys, k0): vp[panel]
+ * (with slab = 16 * keys, ldv = 16), and returned, the 8-column slab of D % 16 == 8 (else NULL) */
 static inline const float* packed_slabs(const float* vr, long keys, long k0, long d, const float** vp) {
     for (long pan = 0; pan < KT / KP; pan++) vp[pan] = vr + (k0 + pan * KP) * 16;
     return d % 16 ? vr + (d - d % 16) * keys + k0 * 8 : NULL;
