@@ -712,6 +712,13 @@ static void pack_panel(const void* pool, int bf16, int key_words, const long* at
  * panel where it lies: no transposes, and one head's keys of a block are one run of memory instead of rows
  * KVH * D apart. Either way a panel's K, and its V, are KP * D elements. */
 
+/* Whether a call reads its pool as a pool of panels: layout 1 (the caller checks the blocks) and tiles that
+ * read its dtype's panels, the bfloat16 body's word pairs (key_words) or the AVX-512 float32 tiles; the C
+ * side of isa.reads_panels */
+static inline int reads_panel_pool(int layout, int key_words, int avx512, int pool_bf16, long d) {
+    return layout == 1 && (key_words || (avx512 && !pool_bf16 && d % 16 == 0));
+}
+
 /* where the K panel holding keys key .. key + KP (key a multiple of KP) of KV head h lies in a pool of
  * panels; its V (pair) rows lie v_offset elements later ((key % block_size) * D either way) */
 static inline long panel_start(const long* table, long block_size, long token_stride, long h, long d, long key) {
@@ -809,15 +816,24 @@ static void values(float* o, long d, const float* s, const float* vr, long keys,
                                  alpha + p * MR);
 }
 
-/* Where the tile's V lies for values512 when packed into column slabs (`values`' vr, keys, k0): vp[panel]
- * (with slab = 16 * keys, ldv = 16), and returned, the 8-column slab of D % 16 == 8 (else NULL) */
-static inline const float* packed_slabs(const float* vr, long keys, long k0, long d, const float** vp) {
+/* How values512 reads the tile's V: in a pool of panels, the rows tile_panels left in vp (slab 16, ldv D);
+ * else the column slabs packed for `keys` keys (`values`' vr, keys, k0), vp set here (slab 16 * keys,
+ * ldv 16). Returns the 8-column slab of D % 16 == 8 (never in a pool of panels), else NULL. */
+static inline const float* value_strides(int panel_pool, const float* vr, long keys, long k0, long d,
+                                         const float** vp, long* slab, long* ldv) {
+    if (panel_pool) {
+        *slab = 16;
+        *ldv = d;
+        return NULL;
+    }
     for (long pan = 0; pan < KT / KP; pan++) vp[pan] = vr + (k0 + pan * KP) * 16;
+    *slab = 16 * keys;
+    *ldv = 16;
     return d % 16 ? vr + (d - d % 16) * keys + k0 * 8 : NULL;
 }
 
 /* values over AVX-512 tiles, 64 columns a tile, the tile's V as tile_pv512 reads it (vp, slab, ldv) and
- * the last 8 columns where D % 16 == 8 in a packed slab (tail: packed_slabs') */
+ * the last 8 columns where D % 16 == 8 in a packed slab (tail: value_strides') */
 AVX512_TARGET static void values512(float* o, long d, const float* s, const float* const* vp, long slab, long ldv,
                                     const float* tail, const long* vis, const float* alpha, long panels, long last,
                                     TileRequest* ahead) {

@@ -286,7 +286,7 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
     const int avx512 = body >= 1, key_words = body == 2 && pool_bf16 && d % 16 == 0;
     /* a pool of panels (layout 1) is read by the bfloat16 body (a bfloat16 pool) or the AVX-512 tiles (a
      * float32 one); the caller checks (a block a whole number of panels) */
-    const int panel_pool = layout == 1 && (key_words || (avx512 && !pool_bf16 && d % 16 == 0));
+    const int panel_pool = reads_panel_pool(layout, key_words, avx512, pool_bf16, d);
     const long token_stride = kv_heads * d;
     const long block_stride = block_size * token_stride;
     const long v_offset = num_blocks * block_stride;          /* the V pool follows the K pool */
@@ -395,10 +395,10 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                 else if (rows == 1) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 1);
                 else if (rows == 2) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 2);
                 else if (rows == 3) values_few(o, d, s, pool, pool_bf16, vrow, n, alpha, &ahead, 3);
-                else if (avx512 && panel_pool) values512(o, d, s, vp, 16, d, NULL, vis, alpha, panels, last, &ahead);
                 else if (avx512) {
-                    const float* tail = packed_slabs(vr, KT, 0, d, vp);
-                    values512(o, d, s, vp, 16 * KT, 16, tail, vis, alpha, panels, last, &ahead);
+                    long slab, ldv;
+                    const float* tail = value_strides(panel_pool, vr, KT, 0, d, vp, &slab, &ldv);
+                    values512(o, d, s, vp, slab, ldv, tail, vis, alpha, panels, last, &ahead);
                 }
                 else values(o, d, s, vr, KT, 0, vis, alpha, panels);
                 request_rest(&ahead);

@@ -175,7 +175,7 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
     /* a pool of panels (layout 1: a bfloat16 pool in the bfloat16 body, a float32 one in the AVX-512 tiles;
      * the caller checks): every tile reads its panels where they lie, nothing is packed in phase 1 or per
      * tile but a bfloat16 sequence's last, partly filled panel */
-    const int panel_pool = layout == 1 && (key_words || (avx512 && !pool_bf16 && d % 16 == 0));
+    const int panel_pool = reads_panel_pool(layout, key_words, avx512, pool_bf16, d);
     const long kstride = key_words ? KP * d / 2 : KP * d;     /* floats from one K panel to the next */
     const long token_stride = kv_heads * d;
     const long block_stride = block_size * token_stride;
@@ -381,11 +381,10 @@ void paged_prefill_attention(const void* q, long q_stride, const void* pool, int
                     probabilities_bf16(s, rows, pw);
                     values512_bf16(o, d, pw, vp, vis, alpha, panels, last_rows, &ahead);
                 }
-                else if (avx512 && panel_pool)
-                    values512(o, d, s, vp, 16, d, NULL, vis, alpha, panels, last_rows, &ahead);
                 else if (avx512) {
-                    const float* tail = packed_slabs(vslab, vkeys, vk0, d, vp);
-                    values512(o, d, s, vp, 16 * vkeys, 16, tail, vis, alpha, panels, last_rows, &ahead);
+                    long slab, ldv;
+                    const float* tail = value_strides(panel_pool, vslab, vkeys, vk0, d, vp, &slab, &ldv);
+                    values512(o, d, s, vp, slab, ldv, tail, vis, alpha, panels, last_rows, &ahead);
                 }
                 else
                     values(o, d, s, vslab, vkeys, vk0, vis, alpha, panels);
