@@ -13,7 +13,9 @@ import torch
 from prefixserve import LLM, EngineConfig, LLMEngine
 from prefixserve.entrypoints.server.app import build_app
 from prefixserve.entrypoints.server.config import ServerConfig
+from prefixserve.model import dtype_choice
 from prefixserve.model.dtype_choice import CpuBf16Support, choose_dtype
+from prefixserve.replicas.service import one_dtype
 from test_server_api import LiveServer
 
 CPU = torch.device("cpu")
@@ -38,6 +40,37 @@ def test_an_explicit_dtype_wins_over_the_cpu(dtype: str) -> None:
 
 def test_auto_off_the_cpu_keeps_the_checkpoints_dtype() -> None:
     assert choose_dtype("auto", torch.device("cuda"), CpuBf16Support(True, True)).dtype is None
+
+
+@pytest.fixture()
+def flip_flopping_timing(monkeypatch):
+    """A CPU with avx512_bf16 and no AMX whose timing reads bfloat16 2x faster, then no faster, then 2x
+    again...: the busy machine on which one test process once made a bfloat16 engine and a float32 one.
+    The process's detection is forgotten before and after, so other tests see this machine's own."""
+    readings = iter([2.0, 1.0] * 8)
+    monkeypatch.setattr(dtype_choice, "cpu_probe", lambda name: name == "_is_avx512_bf16_supported")
+    monkeypatch.setattr(dtype_choice, "measure_bf16_speedup", lambda: next(readings))
+    dtype_choice.detected_support.cache_clear()
+    yield
+    dtype_choice.detected_support.cache_clear()
+
+
+def test_auto_is_decided_once_a_process(flip_flopping_timing) -> None:
+    """Every engine of a process answers in the dtype the first one chose, however the timing moves."""
+    assert [choose_dtype("auto", CPU).dtype for _ in range(3)] == ["bfloat16"] * 3
+    engines = [LLMEngine(EngineConfig(model="random:qwen3-tiny", dtype="auto", num_kv_blocks=16)) for _ in range(2)]
+    assert [e.info.dtype for e in engines] == ["bfloat16", "bfloat16"]
+    assert engines[0].loaded.identity == engines[1].loaded.identity
+
+
+def test_replicas_take_the_dtype_their_service_resolved(flip_flopping_timing) -> None:
+    """Replicas are handed a concrete dtype, resolved once by the service, instead of each timing its own."""
+    config = EngineConfig(model="random:qwen3-tiny", dtype="auto")
+    resolved, choice = one_dtype(config)
+    assert resolved.dtype == choice.dtype == "bfloat16" and choice.requested == "auto"
+    assert resolved == EngineConfig(model="random:qwen3-tiny", dtype="bfloat16")
+    assert one_dtype(resolved)[0] == resolved            # explicit stays explicit
+    assert one_dtype(EngineConfig(model="random:qwen3-tiny", dtype="float32"))[0].dtype == "float32"
 
 
 def _cpu_flags() -> set[str]:

@@ -7,13 +7,18 @@ Xeon VM whose hypervisor withholds AMX ran them at 0.55x (149 vs 253 GFLOP/s, 20
 without AMX, auto times one matmul in both dtypes at start (a few tens of ms, alternating
 the dtypes) and takes bfloat16 only when it is clearly faster. Without either feature every bfloat16 product is
 widened to float32 on the fly: float32. Off the CPU, auto keeps the checkpoint's own dtype.
+
+The features and the timing are read once a process (`detected_support`): a timing, however careful, can
+land on either side of the line on a busy machine, and two engines of one process must not answer in two
+dtypes (a test's float32 oracle beside its bfloat16 server, on a 2-vCPU Zen 5 EPYC in a full test run).
+Replicas take the dtype their service resolved once for all of them (replicas/service.py).
 """
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass
 from typing import Optional
-
-import time
 
 import torch
 
@@ -57,7 +62,7 @@ def choose_dtype(requested: str, device: torch.device,
         return DtypeChoice(requested, requested, "asked for explicitly")
     if device.type != "cpu":
         return DtypeChoice(requested, None, f"auto on {device.type}: the checkpoint's own dtype")
-    support = support or CpuBf16Support.detect()
+    support = support or detected_support()
     if support.amx_bf16:
         return DtypeChoice(requested, "bfloat16", "auto: the CPU has AMX (bfloat16 tiles)")
     if support.avx512_bf16:
@@ -70,6 +75,12 @@ def choose_dtype(requested: str, device: torch.device,
         return DtypeChoice(requested, "float32", f"auto: the CPU has avx512_bf16 but no AMX, and multiplies "
                                                  f"bfloat16 only {speedup:.2f}x as fast as float32")
     return DtypeChoice(requested, "float32", "auto: the CPU has neither AMX nor avx512_bf16")
+
+
+@functools.cache
+def detected_support() -> CpuBf16Support:
+    """This process's `CpuBf16Support.detect()`, measured on first use: what every later dtype="auto" reads."""
+    return CpuBf16Support.detect()
 
 
 def measure_bf16_speedup(rounds: int = 9) -> float:

@@ -8,10 +8,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import ray
+import torch
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from prefixserve.engine import EngineConfig, EngineInfo
+from prefixserve.model.dtype_choice import DtypeChoice, choose_dtype
 from prefixserve.replicas.deployment import EngineReplica
 from prefixserve.replicas.front import ReplicatedLLM
 from prefixserve.replicas.hub import KVEventHub
@@ -41,6 +43,17 @@ class ReplicaConfig:
             raise ValueError(f"app_name must be letters, digits, '-' or '_', got {self.app_name!r}")
         if self.max_ongoing_requests < 1 or not self.health_check_period_s > 0:
             raise ValueError("max_ongoing_requests must be >= 1 and health_check_period_s > 0")
+
+
+def one_dtype(engine_config: EngineConfig) -> tuple[EngineConfig, DtypeChoice]:
+    """The replicas' engine config with dtype="auto" resolved here, once: each replica timing bfloat16
+    for itself could come out on either side of the line on a busy machine (replica_cpus share the
+    cores), and replicas in two dtypes give two answers to one prompt and keep their stored blocks
+    in two key scopes. Off the CPU, auto stays for each replica's checkpoint dtype."""
+    choice = choose_dtype(engine_config.dtype, torch.device(engine_config.device))
+    if choice.dtype is None:
+        return engine_config, choice
+    return dataclasses.replace(engine_config, dtype=choice.dtype), choice
 
 
 class ReplicaService:
@@ -86,10 +99,13 @@ class ReplicaService:
                                "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}})
         deployment = deployment.options(request_router_config=RequestRouterConfig(
             request_router_class=PrefixAwareRequestRouter, request_router_kwargs=router_kwargs))
-        app = deployment.bind(self.engine_config, self.hub_name, self.namespace, self.max_waiting)
+        replicas, choice = one_dtype(self.engine_config)
+        app = deployment.bind(replicas, self.hub_name, self.namespace, self.max_waiting)
         self.handle = serve.run(app, name=cfg.app_name, route_prefix=None)
         first = self.handle.identify.remote().result()
         info: EngineInfo = first["info"]
+        if choice.dtype is not None and choice.requested != choice.dtype:
+            info = dataclasses.replace(info, dtype_reason=f"{choice.reason}; resolved once for every replica")
         from prefixserve.tokenizer import load_tokenizer
         return ReplicatedLLM(self.handle, self.hub, info=info,
                              tokenizer=load_tokenizer(self.engine_config.model),
