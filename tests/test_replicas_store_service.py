@@ -78,6 +78,8 @@ def test_the_router_sees_the_shared_store(cluster, redis_server):  # noqa: F811
         wait_for(lambda: sum(routing(front)["held"].values()) == 0)
         before = routing(front)["reasons"].get("store_hit", 0)
         second = ask(live)
+        # the router reports its counts as it polls the hub: wait for the report that has both requests
+        wait_for(lambda: sum(routing(front)["routed"].values()) == 2)
         after = routing(front)["reasons"].get("store_hit", 0)
     assert cached(first) == 0 and cached(second) == full_blocks * 16
     assert after == before + 1
