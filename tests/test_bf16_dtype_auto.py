@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from prefixserve import LLM, EngineConfig, LLMEngine
+from prefixserve.engine import with_concrete_dtype
 from prefixserve.entrypoints.server.app import build_app
 from prefixserve.entrypoints.server.config import ServerConfig
 from prefixserve.model import dtype_choice
 from prefixserve.model.dtype_choice import CpuBf16Support, choose_dtype
-from prefixserve.replicas.service import one_dtype
 from test_server_api import LiveServer
 
 CPU = torch.device("cpu")
@@ -66,11 +66,11 @@ def test_auto_is_decided_once_a_process(flip_flopping_timing) -> None:
 def test_replicas_take_the_dtype_their_service_resolved(flip_flopping_timing) -> None:
     """Replicas are handed a concrete dtype, resolved once by the service, instead of each timing its own."""
     config = EngineConfig(model="random:qwen3-tiny", dtype="auto")
-    resolved, choice = one_dtype(config)
+    resolved, choice = with_concrete_dtype(config)
     assert resolved.dtype == choice.dtype == "bfloat16" and choice.requested == "auto"
     assert resolved == EngineConfig(model="random:qwen3-tiny", dtype="bfloat16")
-    assert one_dtype(resolved)[0] == resolved            # explicit stays explicit
-    assert one_dtype(EngineConfig(model="random:qwen3-tiny", dtype="float32"))[0].dtype == "float32"
+    assert with_concrete_dtype(resolved)[0] == resolved            # explicit stays explicit
+    assert with_concrete_dtype(EngineConfig(model="random:qwen3-tiny", dtype="float32"))[0].dtype == "float32"
 
 
 def _cpu_flags() -> set[str]:

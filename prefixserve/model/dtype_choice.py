@@ -11,7 +11,7 @@ widened to float32 on the fly: float32. Off the CPU, auto keeps the checkpoint's
 The features and the timing are read once a process (`detected_support`): a timing, however careful, can
 land on either side of the line on a busy machine, and two engines of one process must not answer in two
 dtypes (a test's float32 oracle beside its bfloat16 server, on a 2-vCPU Zen 5 EPYC in a full test run).
-Replicas take the dtype their service resolved once for all of them (replicas/service.py).
+Engines in several processes take a dtype resolved once for all of them (engine/dtype_resolution.py).
 """
 from __future__ import annotations
 

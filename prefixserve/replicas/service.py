@@ -8,12 +8,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import ray
-import torch
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from prefixserve.engine import EngineConfig, EngineInfo
-from prefixserve.model.dtype_choice import DtypeChoice, choose_dtype
+from prefixserve.engine import EngineConfig, EngineInfo, with_concrete_dtype
 from prefixserve.replicas.deployment import EngineReplica
 from prefixserve.replicas.front import ReplicatedLLM
 from prefixserve.replicas.hub import KVEventHub
@@ -43,17 +41,6 @@ class ReplicaConfig:
             raise ValueError(f"app_name must be letters, digits, '-' or '_', got {self.app_name!r}")
         if self.max_ongoing_requests < 1 or not self.health_check_period_s > 0:
             raise ValueError("max_ongoing_requests must be >= 1 and health_check_period_s > 0")
-
-
-def one_dtype(engine_config: EngineConfig) -> tuple[EngineConfig, DtypeChoice]:
-    """The replicas' engine config with dtype="auto" resolved here, once: each replica timing bfloat16
-    for itself could come out on either side of the line on a busy machine (replica_cpus share the
-    cores), and replicas in two dtypes give two answers to one prompt and keep their stored blocks
-    in two key scopes. Off the CPU, auto stays for each replica's checkpoint dtype."""
-    choice = choose_dtype(engine_config.dtype, torch.device(engine_config.device))
-    if choice.dtype is None:
-        return engine_config, choice
-    return dataclasses.replace(engine_config, dtype=choice.dtype), choice
 
 
 class ReplicaService:
@@ -99,7 +86,10 @@ class ReplicaService:
                                "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}})
         deployment = deployment.options(request_router_config=RequestRouterConfig(
             request_router_class=PrefixAwareRequestRouter, request_router_kwargs=router_kwargs))
-        replicas, choice = one_dtype(self.engine_config)
+        # one dtype for every replica: each timing bfloat16 for itself could land on either side of
+        # auto's line on a busy machine, and replicas in two dtypes answer one prompt two ways and
+        # store their blocks under two key scopes
+        replicas, choice = with_concrete_dtype(self.engine_config)
         app = deployment.bind(replicas, self.hub_name, self.namespace, self.max_waiting)
         self.handle = serve.run(app, name=cfg.app_name, route_prefix=None)
         first = self.handle.identify.remote().result()

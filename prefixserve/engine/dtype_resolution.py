@@ -1,0 +1,23 @@
+"""dtype="auto" made concrete before engines are built, for engines that must agree on it.
+
+Each engine resolves auto itself (model/dtype_choice.py: once a process). Engines in several
+processes, a replica service's replicas, would each time bfloat16 for themselves; whoever starts
+them resolves it once here and hands every one the same concrete dtype.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from prefixserve.engine.config import EngineConfig
+from prefixserve.model.dtype_choice import DtypeChoice, choose_dtype
+
+
+def with_concrete_dtype(config: EngineConfig) -> tuple[EngineConfig, DtypeChoice]:
+    """`config` with dtype="auto" replaced by what auto picks on this machine, and that choice; an explicit
+    dtype, or auto off the CPU (each engine's checkpoint dtype), left as it is."""
+    choice = choose_dtype(config.dtype, torch.device(config.device))
+    if choice.dtype is None:
+        return config, choice
+    return dataclasses.replace(config, dtype=choice.dtype), choice
