@@ -86,9 +86,7 @@ class ReplicaService:
                                "runtime_env": {"env_vars": {"OMP_NUM_THREADS": threads}}})
         deployment = deployment.options(request_router_config=RequestRouterConfig(
             request_router_class=PrefixAwareRequestRouter, request_router_kwargs=router_kwargs))
-        # one dtype for every replica: each timing bfloat16 for itself could land on either side of
-        # auto's line on a busy machine, and replicas in two dtypes answer one prompt two ways and
-        # store their blocks under two key scopes
+        # every replica in one dtype (engine/dtype_resolution.py)
         replicas, choice = with_concrete_dtype(self.engine_config)
         app = deployment.bind(replicas, self.hub_name, self.namespace, self.max_waiting)
         self.handle = serve.run(app, name=cfg.app_name, route_prefix=None)

@@ -756,8 +756,8 @@ static inline void tile_panels(const void* pool, long elt, const long* table, lo
  * the sequence, copied into kt and vp with those keys' words zero: a slot not yet written may hold
  * whatever its block held before, and a probability of 0 times a NaN left there is still NaN. */
 AVX512_TARGET static void copy_panel(const void* pool, long k_at, long v_at, long d, long valid, float* kt, float* vp) {
-    const unsigned short* pk = (const unsigned short*)pool;
     const __mmask16 keys = valid >= KP ? 0xFFFF : (__mmask16)((1u << valid) - 1);
+    const unsigned short* pk = (const unsigned short*)pool;
     for (long i = 0; i < d / 2; i++)
         _mm512_storeu_ps(kt + i * KP, _mm512_maskz_loadu_ps(keys, (const float*)(pk + k_at) + i * KP));
     const __m512i low = _mm512_set1_epi32(0xFFFF);

@@ -284,8 +284,6 @@ void paged_decode_attention(const float* q, const void* pool, int pool_bf16, con
                             long group, int body, int layout, int threads) {
     const long d = head_dim;
     const int avx512 = body >= 1, key_words = body == 2 && pool_bf16 && d % 16 == 0;
-    /* a pool of panels (layout 1) is read by the bfloat16 body (a bfloat16 pool) or the AVX-512 tiles (a
-     * float32 one); the caller checks (a block a whole number of panels) */
     const int panel_pool = reads_panel_pool(layout, key_words, avx512, pool_bf16, d);
     const long token_stride = kv_heads * d;
     const long block_stride = block_size * token_stride;
