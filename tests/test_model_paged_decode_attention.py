@@ -2,13 +2,15 @@
 each body this CPU runs (AVX2 everywhere, AVX-512 and its bfloat16 pairs where torch reports them),
 and the two properties exact prefix caching rests on: a softmax carried on from a shared run's state
 gives the bits of one pass over the whole context, and a row's bits do not depend on the rows beside
-it. (That a token gets the prefill kernel's bits: test_model_attention_kernels_agree.py.)"""
+it; and that a bfloat16 model's queries and output, taken and written in bfloat16, keep the bits of
+float32 ones. (That a token gets the prefill kernel's bits: test_model_attention_kernels_agree.py.)"""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from native_kernel_build import build_fresh
+from prefixserve.model.kv_layout import PANELS, ROWS, to_layout
 from prefixserve.model.native.isa import AVX512_BF16, ISAS, best_isa
 from prefixserve.model.native.paged_decode_attention import DecodeState, PagedDecodeAttention, load
 
@@ -173,3 +175,78 @@ def test_carry_must_match_the_queries(kernel: PagedDecodeAttention) -> None:
     part = kernel.partial(torch.zeros(1, 1, 2, 16), pool, tables, torch.tensor([kernel.tile_keys]), 1.0)
     with pytest.raises(ValueError, match="carry"):
         kernel(torch.zeros(1, 1, 3, 16), pool, tables, torch.tensor([4]), 1.0, carry=part)
+
+
+# every kind of float32 an output can hold: the largest values, signed zeros, values that round up
+# across a power of two, subnormals, infinities (a V row holding one), NaNs (from inf - inf)
+EXTREMES = [3.3895313892515355e38, -3.38e38, 0.0, -0.0, 1.99609375, 1e-39, float("inf"), float("-inf"),
+            float("nan")]
+
+
+@pytest.fixture(scope="module")
+def words_kernel(tmp_path_factory) -> PagedDecodeAttention:
+    """The tiles that read a bfloat16 pool's keys as word pairs, where the CPU runs them."""
+    if AVX512_BF16 not in BODIES:
+        pytest.skip("needs a CPU with avx512_bf16")
+    return build_fresh(load, tmp_path_factory).with_body(AVX512_BF16)
+
+
+@pytest.mark.parametrize("layout", [ROWS, PANELS])
+@pytest.mark.parametrize("group", [2, 3, 8])
+def test_bfloat16_queries_and_output_give_the_bits_of_float32_ones_rounded(
+        words_kernel: PagedDecodeAttention, layout: str, group: int) -> None:
+    """Tiles that read a bfloat16 pool's keys as word pairs take a bfloat16 model's queries as they are and
+    write a finished output in bfloat16: what a decode step did by widening the queries to float32 first
+    and rounding the float32 output after, in torch. The oracle: the same calls on the widened queries,
+    and torch's rounding of their output, bit for bit (a NaN as a NaN), over a shared run and each
+    sequence's own blocks, with outputs of every magnitude."""
+    kernel = words_kernel.for_layout(layout)
+    gen = torch.Generator().manual_seed(group)
+    block_size, kv_heads, head_dim, num_blocks, sequences = 16, 2, 128, 30, 5
+    run_blocks = kernel.tile_keys // block_size
+    rows = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    rows[1] *= torch.exp2(torch.randint(-40, 40, rows[1].shape, generator=gen).float())
+    rows[1, -1, :, 0, :len(EXTREMES)] = torch.tensor(EXTREMES)       # the last block: sequence 4's own
+    pool = to_layout(rows.bfloat16(), layout)
+    order = torch.randperm(num_blocks - 1, generator=gen)
+    run, own = order[:run_blocks], torch.cat([order[run_blocks:run_blocks + 8], torch.tensor([num_blocks - 1] * 2)])
+    own = own.view(sequences, 2)
+    lens = torch.randint(1, 2 * block_size + 1, (sequences,), generator=gen)
+    q = torch.randn(sequences, kv_heads, group, head_dim, generator=gen).bfloat16()
+    members = kernel.tables(run[None], torch.tensor([run_blocks * block_size]), torch.tensor([4, 0, 2, 1]))
+    states = []
+    for queries in (q, q.float()):
+        state = DecodeState.fresh(q.shape)
+        kernel.run_partial(queries, pool, members, 0.1, state)
+        states.append(state)
+    assert all(torch.equal(a, b) for a, b in zip(states[0].__dict__.values(), states[1].__dict__.values()))
+
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    got, got_lse = kernel(q[:4], pool, own[:4], lens[:4], 0.1, carry=DecodeState(
+        *(t[:4].contiguous() for t in states[0].__dict__.values())), out=out[:4])
+    want, want_lse = kernel(q[:4].float(), pool, own[:4], lens[:4], 0.1, carry=DecodeState(
+        *(t[:4].contiguous() for t in states[1].__dict__.values())))
+    alone, alone_lse = kernel(q[4:], pool, own[4:], lens[4:], 0.1, out=out[4:])
+    want_alone, want_alone_lse = kernel(q[4:].float(), pool, own[4:], lens[4:], 0.1)
+    want = torch.cat([want, want_alone]).bfloat16()
+    assert got.data_ptr() == out.data_ptr() and alone.data_ptr() == out[4:].data_ptr()
+    nan = want.isnan()
+    assert nan.any() and want.isinf().any() and torch.equal(out.isnan(), nan)
+    assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert torch.equal(got_lse, want_lse) and torch.equal(alone_lse, want_alone_lse)
+
+
+def test_bfloat16_queries_and_output_need_tiles_that_read_word_pairs(kernel: PagedDecodeAttention) -> None:
+    pool, tables, lens = torch.zeros(2, 4, 16, 1, 32), torch.tensor([[0, 1]]), torch.tensor([20])
+    q = torch.zeros(1, 1, 2, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="float32 queries"):
+        kernel(q, pool, tables, lens, 1.0)                     # a float32 pool: no word pairs to read
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out must be"):
+        kernel(q.float(), pool, tables, lens, 1.0, out=out)
+    if kernel.reads_query_words(pool.bfloat16(), 32):
+        with pytest.raises(ValueError, match="out must be"):
+            kernel(q, pool.bfloat16(), tables, lens, 1.0, out=out.float())
+    else:
+        with pytest.raises(ValueError, match="float32 queries"):
+            kernel(q, pool.bfloat16(), tables, lens, 1.0)

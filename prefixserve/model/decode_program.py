@@ -53,11 +53,11 @@ class _Buffers:
         self.residual, self.h, self.mlp_out = new(hidden), new(hidden), new(hidden)
         self.qkv = new(qkv)
         self.q = new(heads, head_dim)
-        # the attention kernel takes float32 queries: a bfloat16 model's widened into a buffer of their own
-        self.queries = (self.q.view(rows, kv_heads, heads // kv_heads, head_dim) if dtype == torch.float32
-                        else new(kv_heads, heads // kv_heads, head_dim, dtype=torch.float32))
-        # the attention output narrowed for o_proj (a float32 model's reads it in place)
-        self.attn = None if dtype == torch.float32 else new(heads * head_dim)
+        # the attention kernel reads the queries where qk_norm_rope leaves them, as [rows, KVH, G, D]
+        self.queries = self.q.view(rows, kv_heads, heads // kv_heads, head_dim)
+        # a bfloat16 model's attention output, written there by the kernel for o_proj (a float32 model's
+        # o_proj reads the kernel's float32 output in place)
+        self.attn = None if dtype == torch.float32 else new(kv_heads, heads // kv_heads, head_dim)
         self.o = new(hidden)
         self.gate_up, self.act = new(2 * intermediate), new(intermediate)
         self.cos, self.sin = new(head_dim // 2), new(head_dim // 2)
@@ -98,10 +98,10 @@ class DecodeProgram:
     @staticmethod
     def build(model, kv_caches: list[torch.Tensor], layout: str) -> "DecodeProgram | None":
         """The program for `model` over `kv_caches` (pools in `layout`), or None where it does not apply: a model
-        not on the
-        CPU with every projection packed (bfloat16 or float32, pools and weights all in that dtype), its head
-        dim not whole 16-element rows, pools not all one contiguous shape, attention not through the torch
-        backend itself, or a kernel it calls not loaded."""
+        not on the CPU with every projection packed (bfloat16 or float32, pools and weights all in that dtype),
+        its head dim not whole 16-element rows, pools not all one contiguous shape, attention not through the
+        torch backend itself (for bfloat16: through tiles that take its queries as they are), or a kernel it
+        calls not loaded."""
         backend = model.attention_backend
         pointwise, gemm, loop = fused_pointwise.default_kernel(), packed_gemm.default_kernel(), decode_loop.default_kernel()
         # the torch backend itself: a subclass may attend otherwise in forward, which the program would skip
@@ -119,6 +119,9 @@ class DecodeProgram:
             raise ValueError(f"pools {tuple(pool.shape)} do not hold the model's KV heads in {layout}")
         if dtype not in gemm.functions or any(c.shape != pool.shape or c.dtype != dtype or not c.is_contiguous()
                                               or not c.is_cpu for c in kv_caches):
+            return None
+        # a bfloat16 step's attention reads its bfloat16 queries and writes its output in bfloat16 (no copies)
+        if dtype == torch.bfloat16 and not attention.reads_query_words(pool, config.head_dim):
             return None
         weights = (model.norm.weight,)
         layers = []
@@ -189,7 +192,9 @@ class DecodeProgram:
             for run_tables in tables.runs:
                 calls.append(self._attention.prepare_run_partial(queries, self._pool, run_tables, self._scale, state))
         # the arguments hold addresses only: `written` and `lse` are locals so that they outlive the call
-        arguments, written, lse = self._attention.prepare_run(queries, self._pool, tables.suffix, self._scale, state)
+        attn = None if b.attn is None else b.attn[:n]
+        arguments, written, lse = self._attention.prepare_run(queries, self._pool, tables.suffix, self._scale, state,
+                                                              out=attn)
         calls.append(arguments)
         call_array = (AttentionCall * len(calls))(*(AttentionCall.from_arguments(c) for c in calls))
 
@@ -200,11 +205,10 @@ class DecodeProgram:
             eps=self._eps, qk_eps=self._qk_eps, residual=residual.data_ptr(), h=h.data_ptr(),
             mlp_out=mlp_out.data_ptr(), qkv=qkv.data_ptr(), q=q.data_ptr(), o=o.data_ptr(),
             # float32: o_proj reads the attention output where the kernel left it
-            attn=written.acc.data_ptr() if b.attn is None else b.attn.data_ptr(),
+            attn=written.acc.data_ptr() if attn is None else attn.data_ptr(),
             gate_up=gate_up.data_ptr(), act=act.data_ptr(), cos=b.cos.data_ptr(), sin=b.sin.data_ptr(),
-            slots=slots.data_ptr(), queries=queries.data_ptr(), result=written.acc.data_ptr(),
-            fill_acc=0 if fill is None else fill.acc.data_ptr(), fill_m=0 if fill is None else fill.m.data_ptr(),
-            fill_l=0 if fill is None else fill.l.data_ptr(),
+            slots=slots.data_ptr(), fill_acc=0 if fill is None else fill.acc.data_ptr(),
+            fill_m=0 if fill is None else fill.m.data_ptr(), fill_l=0 if fill is None else fill.l.data_ptr(),
             calls=ctypes.addressof(call_array), num_calls=len(calls), threads=torch.get_num_threads())
         self._loop.run(step, self._operands)
         out = torch.empty(n, self._hidden, dtype=self._dtype)

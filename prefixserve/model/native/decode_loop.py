@@ -1,4 +1,4 @@
-"""The layer loop of a bfloat16 decode step in C (`decode_loop.c`): `model/decode_program.py` lays out a
+"""The layer loop of a bfloat16 or float32 decode step in C (`decode_loop.c`): `model/decode_program.py` lays out a
 step's operands in a `DecodeStep` and its layers' in `DecodeLayer`s, and one call runs every layer's
 kernels, reached through their addresses."""
 from __future__ import annotations
@@ -6,8 +6,6 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
-
-import torch
 
 from prefixserve.model.native.build import load_default, load_kernel
 
@@ -28,12 +26,13 @@ class AttentionCall(ctypes.Structure):
                                               "table_width")]
                 + [("scale", _float), ("out", _p), ("lse", _p), ("state_m", _p), ("state_l", _p), ("members", _p),
                    ("group", _long)]
-                + [(name, _int) for name in ("pool_bf16", "carry_in", "finalize", "body", "layout")])
+                + [(name, _int) for name in ("pool_bf16", "carry_in", "finalize", "body", "layout", "q_bf16")]
+                + [("out_bf16", _p)])
 
     # the attention kernel's C arguments in order (paged_decode_attention.c), pool and threads left out
     ARGUMENTS = ("q", None, "pool_bf16", "tables", "lens", "batch", "kv_heads", "rows", "head_dim", "num_blocks",
                  "block_size", "table_width", "scale", "out", "lse", "state_m", "state_l", "carry_in", "finalize",
-                 "members", "group", "body", "layout", None)
+                 "members", "group", "body", "layout", "q_bf16", "out_bf16", None)
 
     @classmethod
     def from_arguments(cls, arguments: list) -> "AttentionCall":
@@ -50,8 +49,7 @@ class DecodeStep(ctypes.Structure):
                                               "kv_heads", "head_dim", "block_size")]
                 + [("layout", _int), ("eps", _float), ("qk_eps", _float)]
                 + [(name, _p) for name in ("residual", "h", "mlp_out", "qkv", "q", "attn", "o", "gate_up", "act",
-                                           "cos", "sin", "slots", "queries", "result", "fill_acc", "fill_m",
-                                           "fill_l", "calls")]
+                                           "cos", "sin", "slots", "fill_acc", "fill_m", "fill_l", "calls")]
                 + [("num_calls", _long), ("threads", _int)])
 
 
@@ -68,46 +66,23 @@ class DecodeLoop:
         self._run = library.decode_layers
         self._run.restype = None
         self._run.argtypes = [ctypes.POINTER(DecodeStep), ctypes.POINTER(DecodeLayer), _long]
-        self._widen, self._narrow = library.decode_loop_widen, library.decode_loop_narrow
-        for fn in (self._widen, self._narrow):
-            fn.restype, fn.argtypes = None, [_p, _p, _long]
 
     def run(self, step: DecodeStep, layers: ctypes.Array) -> None:
         self._run(ctypes.byref(step), layers, len(layers))
 
-    def widen(self, x: torch.Tensor) -> torch.Tensor:
-        """bfloat16 -> float32, as the loop widens the queries (x contiguous)."""
-        out = torch.empty(x.shape, dtype=torch.float32)
-        self._widen(x.data_ptr(), out.data_ptr(), x.numel())
-        return out
 
-    def narrow(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 -> bfloat16, as the loop narrows the attention output (x contiguous)."""
-        out = torch.empty(x.shape, dtype=torch.bfloat16)
-        self._narrow(x.data_ptr(), out.data_ptr(), x.numel())
-        return out
-
-
-def _agrees_with_torch(kernel: DecodeLoop) -> bool:
-    """The two conversions against torch's, ties to even and a NaN included; the kernel calls themselves
-    are the loaded kernels', each checked by its own probe."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1037, generator=gen) * 100
-    x[3] = float("nan")
-    x[5:9] = torch.tensor([1.00390625, 1.01171875, -3.0e38, 1e-40])      # halfway cases, a large, a subnormal
-    narrowed = kernel.narrow(x)
-    want = x.bfloat16()
-    finite = ~x.isnan()
-    return (torch.equal(narrowed[finite].view(torch.int16), want[finite].view(torch.int16))
-            and bool(narrowed[3].isnan()) and torch.equal(kernel.widen(want).view(torch.int32), want.float().view(torch.int32)))
+def _loads(kernel: DecodeLoop) -> bool:
+    """The loop computes nothing of its own: the kernels it calls are checked by their own probes, and
+    tests/test_model_decode_program.py holds its steps to the module path's bits."""
+    return True
 
 
 def load(cc: str | None, out_dir: Path) -> DecodeLoop | None:
-    """Build and load the loop, its conversions checked against torch; None where it cannot be used."""
-    return load_kernel("decode_loop", cc, out_dir, DecodeLoop, _agrees_with_torch)
+    """Build and load the loop; None where it cannot be used."""
+    return load_kernel("decode_loop", cc, out_dir, DecodeLoop, _loads)
 
 
 @functools.cache
 def default_kernel() -> DecodeLoop | None:
     """The process's loop, built on first use; None where unavailable or turned off."""
-    return load_default("decode_loop", DecodeLoop, _agrees_with_torch)
+    return load_default("decode_loop", DecodeLoop, _loads)

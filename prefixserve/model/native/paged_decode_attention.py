@@ -17,7 +17,7 @@ import torch
 
 from prefixserve.model.kv_layout import LAYOUT_CODES, PANELS, ROWS, check_layout, pool_geometry
 from prefixserve.model.native.build import load_default, load_kernel
-from prefixserve.model.native.isa import AVX2, BODY_CODES, ISAS, best_isa, reads_panels
+from prefixserve.model.native.isa import AVX2, AVX512_BF16, BODY_CODES, ISAS, best_isa, reads_panels
 
 
 @dataclass
@@ -66,7 +66,7 @@ class PagedDecodeAttention:
         self._fn.argtypes = ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 2
                              + [ctypes.c_long] * 7 + [ctypes.c_float]
                              + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_long]
-                             + [ctypes.c_int] * 3)
+                             + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int])
         tile_keys = library.paged_attention_tile_keys
         tile_keys.restype = ctypes.c_long
         # a carried state gives one pass's bits only where it stops at a softmax tile's edge
@@ -93,10 +93,16 @@ class PagedDecodeAttention:
 
     @staticmethod
     def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        # the call takes float32 queries (a bfloat16 model's are widened first); the pool float32 or bfloat16
+        # the call takes float32 queries (a bfloat16 model's widened first, unless the tiles read its own:
+        # reads_query_words); the pool float32 or bfloat16
         return (q.device.type == "cpu" and q.dtype in (torch.float32, kv_cache.dtype) and kv_cache.device.type == "cpu"
                 and kv_cache.dtype in (torch.float32, torch.bfloat16) and kv_cache.is_contiguous()
                 and q.shape[-1] % 8 == 0)
+
+    def reads_query_words(self, kv_cache: torch.Tensor, head_dim: int) -> bool:
+        """Whether these tiles take a bfloat16 model's queries as they are, and can write its output in
+        bfloat16: they read the pool's keys as bfloat16 word pairs (head dims of whole 16-element rows)."""
+        return self.body == AVX512_BF16 and kv_cache.dtype == torch.bfloat16 and head_dim % 16 == 0
 
     def tables(self, tables: torch.Tensor, lens: torch.Tensor, members: torch.Tensor | None = None) -> KernelTables:
         """`tables` [B, W] and `lens` [B] (int64) checked and laid out for the kernel; `members` [M] (int64,
@@ -121,10 +127,13 @@ class PagedDecodeAttention:
                             not (host % self.tile_keys).any(), members, sequences)
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                 scale: float, carry: DecodeState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: float, carry: DecodeState | None = None,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Finished attention over the blocks of `tables` (after `carry`'s, when given: its acc is
-        finished in place and returned as out)."""
-        return self.run(q, kv_cache, self.tables(tables, lens), scale, carry)
+        finished in place and returned as out). q float32, or bfloat16 where `reads_query_words`; `out`
+        (bfloat16, shaped like q, contiguous; there only) takes the output rounded to bfloat16, and is
+        returned instead of an acc."""
+        return self.run(q, kv_cache, self.tables(tables, lens), scale, carry, out)
 
     def partial(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                 scale: float) -> DecodeState:
@@ -136,18 +145,19 @@ class PagedDecodeAttention:
         return state
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: KernelTables, scale: float,
-            carry: DecodeState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            carry: DecodeState | None = None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`__call__` over checked tables."""
         q = q.contiguous()      # held here: the arguments hold only its address
-        arguments, state, lse = self.prepare_run(q, kv_cache, tables, scale, carry)
+        arguments, state, lse = self.prepare_run(q, kv_cache, tables, scale, carry, out)
         self._fn(*arguments)
-        return state.acc, lse
+        return state.acc if out is None else out, lse
 
     def prepare_run(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: KernelTables, scale: float,
-                    carry: DecodeState | None = None) -> tuple[list, DecodeState, torch.Tensor]:
+                    carry: DecodeState | None = None,
+                    out: torch.Tensor | None = None) -> tuple[list, DecodeState, torch.Tensor]:
         """`run` checked but not called: (the C call's arguments, the state it writes, whose acc becomes the
-        output, lse). The arguments hold addresses only: the caller keeps q (contiguous), the pool, the
-        tables, the state and lse alive.
+        output unless `out` takes it in bfloat16, lse). The arguments hold addresses only: the caller keeps
+        q (contiguous), the pool, the tables, the state, out and lse alive.
         A caller running the same call over every layer's pool (pools of one shape and dtype) checks once
         and swaps the pool's pointer, argument 1 (model/decode_program.py, through native/decode_loop.c)."""
         if carry is None:
@@ -158,7 +168,11 @@ class PagedDecodeAttention:
         lse = torch.empty(q.shape[:3], dtype=torch.float32)
         if tables.members is not None:
             raise ValueError("a shared run's tables are for run_partial")
-        return self._arguments(q, kv_cache, tables, scale, state, lse, carry is not None, True), state, lse
+        if out is not None and (out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous()
+                                or not self.reads_query_words(kv_cache, q.shape[-1])):
+            raise ValueError(f"out must be a contiguous bfloat16 tensor shaped like q {tuple(q.shape)}, for tiles that "
+                             "read a bfloat16 pool's keys as word pairs")
+        return self._arguments(q, kv_cache, tables, scale, state, lse, carry is not None, True, out), state, lse
 
     def run_partial(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: KernelTables, scale: float,
                     into: DecodeState) -> None:
@@ -176,7 +190,7 @@ class PagedDecodeAttention:
         self._check_state(into, q.shape, "into")
         if tables.sequences > q.shape[0]:
             raise ValueError(f"a member lies outside the {q.shape[0]} sequences of q")
-        return self._arguments(q, kv_cache, tables, scale, into, None, False, False)
+        return self._arguments(q, kv_cache, tables, scale, into, None, False, False, None)
 
     @staticmethod
     def _check_state(state: DecodeState, shape: torch.Size, name: str) -> None:
@@ -187,8 +201,10 @@ class PagedDecodeAttention:
                              "matching q")
 
     def _arguments(self, q: torch.Tensor, kv_cache: torch.Tensor, tables: KernelTables, scale: float,
-                   state: DecodeState, lse: torch.Tensor | None, carry_in: bool, finalize: bool) -> list:
-        """One C call's arguments, checked; lse: None for a partial pass (only a finished one writes it)."""
+                   state: DecodeState, lse: torch.Tensor | None, carry_in: bool, finalize: bool,
+                   out: torch.Tensor | None) -> list:
+        """One C call's arguments, checked; lse: None for a partial pass (only a finished one writes it);
+        out: None, or a finished pass's bfloat16 output (checked by the caller)."""
         if not q.is_contiguous():
             raise ValueError("q must be contiguous")
         batch, kv_heads, rows, head_dim = q.shape
@@ -202,13 +218,16 @@ class PagedDecodeAttention:
                              f"tables {tuple(tables.tables.shape)}")
         if tables.longest > width * block_size:
             raise ValueError("a length runs past its block table")
-        if q.dtype != torch.float32 or not self.supports(q, kv_cache):
-            raise ValueError("needs float32 queries, a contiguous float32 or bfloat16 CPU pool and head_dim % 8 == 0")
+        q_words = q.dtype == torch.bfloat16 and self.reads_query_words(kv_cache, head_dim)
+        if (q.dtype != torch.float32 and not q_words) or not self.supports(q, kv_cache):
+            raise ValueError("needs float32 queries (bfloat16 ones where the tiles read the keys as word pairs), a "
+                             "contiguous float32 or bfloat16 CPU pool and head_dim % 8 == 0")
         return [q.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), tables.tables.data_ptr(),
                 tables.lens.data_ptr(), tasks, kv_heads, task_rows, head_dim, num_blocks, block_size, width, scale,
                 state.acc.data_ptr(), 0 if lse is None else lse.data_ptr(), state.m.data_ptr(), state.l.data_ptr(),
                 int(carry_in), int(finalize), 0 if members is None else members.data_ptr(), rows,
-                BODY_CODES[self.body], LAYOUT_CODES[self.layout], torch.get_num_threads()]
+                BODY_CODES[self.body], LAYOUT_CODES[self.layout], int(q_words), 0 if out is None else out.data_ptr(),
+                torch.get_num_threads()]
 
     @property
     def function(self):
