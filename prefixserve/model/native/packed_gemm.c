@@ -28,6 +28,7 @@
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <unistd.h>
 #include <omp.h>
 
 #include "simd.h"
@@ -72,12 +73,17 @@ AVX512_TARGET static ALWAYS_INLINE void store_f32x16(float* y, __mmask16 mask, _
  * weights stream at an even pace instead of stopping while the later groups re-read a whole panel from L2
  * (over the 0.6B model's projections + LM head, streamed, 2-core Zen 5 EPYC: bfloat16 16 rows 1.08-1.14x,
  * 8 rows 1.25x; float32 16 rows 1.16x; 32-64 rows no faster, so more rows keep whole panels).
- * With at most L2_GROUPS row groups (up to 18 rows) the next chunk is requested into L2, not L1, and the
- * chunks are L2_CHUNK steps (8 KB): into L1 (32 KB on Zen 4) the requests pushed out the chunk the later
- * groups still read and queued behind L1's few miss buffers. With four groups each chunk
- * takes long enough that L1 requests arrive in time and the later groups find the chunk in L1, which the
- * compute-bound passes need (Zen 4 EPYC, 2 cores, bfloat16, streamed, in one run: 16 rows 1.10-1.15x,
- * 12 rows 1.35x, 8 rows 1.3-1.5x; 24 rows 0.91-0.93x with the L2 requests, so four groups keep L1's).
+ * On a CPU whose L1 data cache is under BIG_L1, with at most L2_GROUPS row groups (up to 18 rows) the
+ * next chunk is requested into L2, not L1, and the chunks are L2_CHUNK steps (8 KB): into L1 (32 KB on
+ * Zen 4) the requests pushed out the chunk the later groups still read and queued behind L1's few miss
+ * buffers. With four groups each chunk takes long enough that L1 requests arrive in time and the later
+ * groups find the chunk in L1, which the compute-bound passes need (Zen 4 EPYC, 2 cores, bfloat16,
+ * streamed, in one run: 16 rows 1.10-1.15x, 12 rows 1.35x, 8 rows 1.3-1.5x; 24 rows 0.91-0.93x with the
+ * L2 requests, so four groups keep L1's). An L1 of 48 KB holds the chunk being read and the one requested
+ * with room to spare, and there L1 requests win at every row count (Zen 5 EPYC, 2 cores, the 0.6B model's
+ * four projections over 28 layers streamed, against L2 requests, alternating runs: bfloat16 16 rows 0.91x
+ * the time when memory streamed at ~90 GB/s, 0.95x at ~52, 9-13 rows 0.88-0.93x, 7 rows 0.95x, 8 rows
+ * 1.00x; float32 16 rows 0.90x, 9-13 rows 0.88-0.95x, 8 rows 1.02x).
  * A few rows split into groups of even size (8 rows: 4 + 4, not 6 + 2): each group asks for an even share of
  * the next chunk's lines, and a short last group asked for its share in a burst while the others left memory
  * idle (bfloat16 decode steps of 8 sequences over a 1056-token context, 2-core Zen 4 EPYC, builds alternating
@@ -88,6 +94,14 @@ AVX512_TARGET static ALWAYS_INLINE void store_f32x16(float* y, __mmask16 mask, _
 #define CHUNKED_ROWS 24
 #define L2_CHUNK 32
 #define L2_GROUPS 3
+#define BIG_L1 (48 * 1024)
+
+/* The L1 data cache's bytes (0 where the system does not say), read once when the library loads */
+static long l1_data_bytes;
+__attribute__((constructor)) static void read_l1_size(void) {
+    const long bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    l1_data_bytes = bytes > 0 ? bytes : 0;
+}
 
 /* Defines chunk##NAME, finish##NAME and the exported packed_gemm##NAME for operands of element type T,
  * STEP elements of k a step, taking the steps of suffix S (broadcast##S, muladd##S), the results of type Y
@@ -143,7 +157,7 @@ TARGET void packed_gemm##NAME(const T* x, const T* wp, const float* bias, Y* y, 
                               int threads) {                                                                \
     const long panels = (n + PANEL - 1) / PANEL, groups = (m + MR - 1) / MR;                                \
     const size_t panel_elems = (size_t)k * PANEL;                                                           \
-    const int to_l2 = groups <= L2_GROUPS;                                                                  \
+    const int to_l2 = groups <= L2_GROUPS && l1_data_bytes < BIG_L1;                                        \
     const int few = m <= CHUNKED_ROWS;                                                                      \
     const long steps = (long)(k / STEP), chunk = few && groups > 1 ? to_l2 ? L2_CHUNK : CHUNK : steps;      \
     const long step_lines = (long)(STEP * PANEL * sizeof(T) / 64);                                          \
