@@ -55,8 +55,8 @@ def _round_output(module, args, output):
     return _to_bf16(output) if torch.is_tensor(output) else output
 
 
-def hf_model(path: Path, dtype: torch.dtype, *, simulate_bf16: bool = False):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+def hf_model(path: Path, dtype: torch.dtype, *, simulate_bf16: bool = False, device: str = "cpu"):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval().to(device)
     if simulate_bf16:
         with torch.no_grad():
             for param in model.parameters():
@@ -70,8 +70,15 @@ def hf_model(path: Path, dtype: torch.dtype, *, simulate_bf16: bool = False):
 
 
 def hf_logits(model, tokens: list[list[int]]) -> torch.Tensor:
+    """[NUM_SEQS, TOTAL, vocab], float64 on the host, from a model on any device"""
     with torch.no_grad():
-        return model(torch.tensor(tokens)).logits.double()  # [NUM_SEQS, TOTAL, vocab]
+        return model(torch.tensor(tokens, device=model.device)).logits.double().cpu()
+
+
+def references(path: Path, tokens: list[list[int]], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's float64 logits, and with bfloat16 rounding simulated (the tolerance's measure), on `device`."""
+    return (hf_logits(hf_model(path, torch.float64, device=device), tokens),
+            hf_logits(hf_model(path, torch.float64, simulate_bf16=True, device=device), tokens))
 
 
 def sequences(seed: int) -> list[list[int]]:
@@ -81,9 +88,10 @@ def sequences(seed: int) -> list[list[int]]:
             for _ in range(NUM_SEQS)]
 
 
-def our_logits(path: Path, dtype: str, tokens: list[list[int]]) -> torch.Tensor:
-    """Every position's logits [NUM_SEQS, TOTAL, vocab] from our model over a paged bfloat16 pool."""
-    loaded = load_model(path, dtype=dtype)
+def our_logits(path: Path, dtype: str, tokens: list[list[int]], device: str = "cpu") -> torch.Tensor:
+    """Every position's logits [NUM_SEQS, TOTAL, vocab] (float64, on the host) from our model over a paged
+    pool on `device`."""
+    loaded = load_model(path, dtype=dtype, device=device)
     config = loaded.config
     per_seq = -(-TOTAL // BLOCK_SIZE)
     shared_blocks = SHARED // BLOCK_SIZE
@@ -93,8 +101,8 @@ def our_logits(path: Path, dtype: str, tokens: list[list[int]]) -> torch.Tensor:
     free = list(range(num_blocks - 1, shared_blocks - 1, -1))
     tables = [list(range(shared_blocks)) + [free.pop(0) for _ in range(per_seq - shared_blocks)]
               for _ in range(NUM_SEQS)]
-    caches = [torch.zeros(kv_cache_shape(config, num_blocks, BLOCK_SIZE), dtype=loaded.model.embed_tokens.dtype)
-              for _ in range(config.num_hidden_layers)]
+    caches = [torch.zeros(kv_cache_shape(config, num_blocks, BLOCK_SIZE), dtype=loaded.model.embed_tokens.dtype,
+                          device=device) for _ in range(config.num_hidden_layers)]
     out = torch.empty(NUM_SEQS, TOTAL, config.vocab_size, dtype=torch.float64)
 
     def step(plan: list[tuple[int, int, int]]) -> None:  # (sequence, first new position, new tokens)
@@ -103,10 +111,11 @@ def our_logits(path: Path, dtype: str, tokens: list[list[int]]) -> torch.Tensor:
             ids += tokens[seq][start:start + count]
             positions += range(start, start + count)
         meta = AttentionMetadata.build([c for _, _, c in plan], [s + c for _, s, c in plan],
-                                       [tables[seq] for seq, _, _ in plan], BLOCK_SIZE)
+                                       [tables[seq] for seq, _, _ in plan], BLOCK_SIZE, device=device)
         with torch.inference_mode():
-            logits = loaded.model.compute_logits(loaded.model(torch.tensor(ids), torch.tensor(positions),
-                                                              caches, meta)).double()
+            hidden = loaded.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), caches,
+                                  meta)
+            logits = loaded.model.compute_logits(hidden).double().cpu()
         row = 0
         for seq, start, count in plan:
             out[seq, start:start + count] = logits[row:row + count]
@@ -126,9 +135,7 @@ def our_logits(path: Path, dtype: str, tokens: list[list[int]]) -> torch.Tensor:
 def case(request, tiny_checkpoint):
     path = tiny_checkpoint(request.param)
     tokens = sequences(seed=11)
-    reference = hf_logits(hf_model(path, torch.float64), tokens)
-    simulated = hf_logits(hf_model(path, torch.float64, simulate_bf16=True), tokens)
-    return request.param, path, tokens, reference, simulated
+    return request.param, path, tokens, *references(path, tokens)
 
 
 def _errors(logits: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
