@@ -1,6 +1,6 @@
-"""dtype="auto": bfloat16 where the CPU multiplies bfloat16 faster (AMX, or avx512_bf16 measured
-clearly faster), float32 elsewhere, an explicit dtype always; the choice and its reason are logged
-and reported."""
+"""dtype="auto": bfloat16 where the CPU multiplies bfloat16 faster (AMX, avx512_bf16 on an AMD CPU, or
+avx512_bf16 measured clearly faster), float32 elsewhere, an explicit dtype always; the choice and its
+reason are logged and reported."""
 from __future__ import annotations
 
 import logging
@@ -32,6 +32,26 @@ def test_auto_follows_the_cpu_features(amx: bool, avx512_bf16: bool, speedup, ex
     assert expected_reason in choice.reason
 
 
+def test_an_amd_cpu_with_avx512_bf16_takes_bfloat16_without_timing(monkeypatch) -> None:
+    """Its avx512_bf16 is the vector units' own (Zen 4 and Zen 5): no timing to land on the wrong side of
+    the line on a busy machine, so every start of a server on it chooses alike. An Intel CPU without AMX
+    still times (a hypervisor can withhold AMX and leave a slow bfloat16 path)."""
+    def no_timing():
+        raise AssertionError("timed a matmul")
+    monkeypatch.setattr(dtype_choice, "cpu_probe", lambda name: name == "_is_avx512_bf16_supported")
+    monkeypatch.setattr(dtype_choice, "measure_bf16_speedup", no_timing)
+    monkeypatch.setattr(dtype_choice, "cpu_vendor", lambda: "AuthenticAMD")
+    support = CpuBf16Support.detect()
+    assert support == CpuBf16Support(False, True, None, "AuthenticAMD")
+    choice = choose_dtype("auto", CPU, support)
+    assert choice.dtype == "bfloat16" and "AMD" in choice.reason
+    monkeypatch.setattr(dtype_choice, "cpu_vendor", lambda: "GenuineIntel")
+    with pytest.raises(AssertionError, match="timed a matmul"):
+        CpuBf16Support.detect()
+    with pytest.raises(ValueError, match="needs bf16_speedup"):
+        choose_dtype("auto", CPU, CpuBf16Support(False, True, None, "GenuineIntel"))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_an_explicit_dtype_wins_over_the_cpu(dtype: str) -> None:
     for support in (CpuBf16Support(False, False), CpuBf16Support(True, True)):
@@ -49,6 +69,7 @@ def flip_flopping_timing(monkeypatch):
     The process's detection is forgotten before and after, so other tests see this machine's own."""
     readings = iter([2.0, 1.0] * 8)
     monkeypatch.setattr(dtype_choice, "cpu_probe", lambda name: name == "_is_avx512_bf16_supported")
+    monkeypatch.setattr(dtype_choice, "cpu_vendor", lambda: "GenuineIntel")        # a CPU auto times
     monkeypatch.setattr(dtype_choice, "measure_bf16_speedup", lambda: next(readings))
     dtype_choice.detected_support.cache_clear()
     yield
@@ -73,11 +94,15 @@ def test_replicas_take_the_dtype_their_service_resolved(flip_flopping_timing) ->
     assert with_concrete_dtype(EngineConfig(model="random:qwen3-tiny", dtype="float32"))[0].dtype == "float32"
 
 
-def _cpu_flags() -> set[str]:
+def _cpu_field(name: str) -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    raise AssertionError("/proc/cpuinfo lists no flags")
+        if line.split(":", 1)[0].strip() == name:
+            return line.split(":", 1)[1].strip()
+    raise AssertionError(f"/proc/cpuinfo lists no {name}")
+
+
+def _cpu_flags() -> set[str]:
+    return set(_cpu_field("flags").split())
 
 
 def test_detection_agrees_with_the_kernel_s_cpu_flags() -> None:
@@ -85,6 +110,7 @@ def test_detection_agrees_with_the_kernel_s_cpu_flags() -> None:
     (AMX may be listed yet withheld from the process, so only that direction is exact for it)."""
     flags, support = _cpu_flags(), CpuBf16Support.detect()
     assert support.avx512_bf16 == ("avx512_bf16" in flags)
+    assert support.vendor == _cpu_field("vendor_id")
     assert not support.amx_bf16 or "amx_bf16" in flags
 
 
@@ -92,9 +118,9 @@ def test_engine_resolves_auto_logs_it_and_reports_it(caplog) -> None:
     support = CpuBf16Support.detect()
     with caplog.at_level(logging.INFO, logger="prefixserve.engine.llm_engine"):
         llm = LLM("random:qwen3-tiny", dtype="auto", num_kv_blocks=16)
-    # without AMX the choice rests on a timing: check it is one the features allow, and says so
-    allowed = {"bfloat16"} if support.amx_bf16 else {"bfloat16", "float32"} if support.avx512_bf16 \
-        else {"float32"}
+    # without AMX, on an Intel CPU, the choice rests on a timing: check it is one the features allow
+    allowed = ({"bfloat16"} if support.amx_bf16 or (support.avx512_bf16 and support.vendor == "AuthenticAMD")
+               else {"bfloat16", "float32"} if support.avx512_bf16 else {"float32"})
     expected = llm.engine.info.dtype
     assert expected in allowed
     assert llm.engine.info.dtype == llm.stats().dtype == expected

@@ -1,12 +1,15 @@
 """What dtype="auto" means: bfloat16 where the CPU multiplies it faster, float32 elsewhere.
 
 With AMX, oneDNN runs bfloat16 matmuls about 6x faster than float32 (1.2-2.1 vs 0.26-0.34
-TFLOP/s on an Intel Xeon of this project) and decode reads half the bytes. avx512_bf16 alone
-says little: an AMD EPYC ran bfloat16 matmuls 2.3-2.8x faster than float32, while an Intel
-Xeon VM whose hypervisor withholds AMX ran them at 0.55x (149 vs 253 GFLOP/s, 2026-12-01). So
-without AMX, auto times one matmul in both dtypes at start (a few tens of ms, alternating
-the dtypes) and takes bfloat16 only when it is clearly faster. Without either feature every bfloat16 product is
-widened to float32 on the fly: float32. Off the CPU, auto keeps the checkpoint's own dtype.
+TFLOP/s on an Intel Xeon of this project) and decode reads half the bytes. On an AMD CPU
+avx512_bf16 is the vector units' own bfloat16 dot product (Zen 4 EPYCs ran bfloat16 matmuls
+2.3-2.8x faster than float32, a Zen 5 EPYC 2.0x): bfloat16, untimed. On an Intel CPU without AMX
+it says little: a Xeon VM whose hypervisor withholds AMX ran them at 0.55x (149 vs 253 GFLOP/s,
+2026-12-01). So there, auto times one matmul in both dtypes at start (a few tens of ms,
+alternating the dtypes) and takes bfloat16 only when it is clearly faster: a timing a busy
+moment can tip, so a restarted server may choose otherwise, which the AMD rule rules out there.
+Without either feature every bfloat16 product is widened to float32 on the fly: float32. Off the
+CPU, auto keeps the checkpoint's own dtype.
 
 The features and the timing are read once a process (`detected_support`): a timing, however careful, can
 land on either side of the line on a busy machine, and two engines of one process must not answer in two
@@ -23,13 +26,14 @@ from typing import Optional
 import torch
 
 from prefixserve.model.linear import linear
-from prefixserve.model.native.isa import cpu_probe
+from prefixserve.model.native.isa import cpu_probe, cpu_vendor
 from prefixserve.model.packed_weight import PackedWeight
 from prefixserve.model.packed_weight import applies as packing_applies
 
 AUTO = "auto"
 # bfloat16 also costs accuracy: take it only for a clear gain
 MIN_BF16_SPEEDUP = 1.25
+AMD = "AuthenticAMD"
 
 
 @dataclass(frozen=True)
@@ -37,14 +41,16 @@ class CpuBf16Support:
     """The CPU features that make bfloat16 fast, as torch (and so oneDNN) sees them."""
     amx_bf16: bool
     avx512_bf16: bool
-    # float32 over bfloat16 matmul time, measured only with avx512_bf16 and no AMX
+    # float32 over bfloat16 matmul time, measured only with avx512_bf16, no AMX and not AMD
     bf16_speedup: Optional[float] = None
+    vendor: Optional[str] = None
 
     @classmethod
     def detect(cls) -> "CpuBf16Support":
         amx, avx512_bf16 = cpu_probe("_is_amx_tile_supported"), cpu_probe("_is_avx512_bf16_supported")
-        speedup = measure_bf16_speedup() if avx512_bf16 and not amx else None
-        return cls(amx_bf16=amx, avx512_bf16=avx512_bf16, bf16_speedup=speedup)
+        vendor = cpu_vendor()
+        speedup = measure_bf16_speedup() if avx512_bf16 and not amx and vendor != AMD else None
+        return cls(amx_bf16=amx, avx512_bf16=avx512_bf16, bf16_speedup=speedup, vendor=vendor)
 
 
 @dataclass(frozen=True)
@@ -65,10 +71,13 @@ def choose_dtype(requested: str, device: torch.device,
     support = support or detected_support()
     if support.amx_bf16:
         return DtypeChoice(requested, "bfloat16", "auto: the CPU has AMX (bfloat16 tiles)")
+    if support.avx512_bf16 and support.vendor == AMD:
+        return DtypeChoice(requested, "bfloat16", "auto: an AMD CPU with avx512_bf16 (bfloat16 dot products in its "
+                                                  "vector units)")
     if support.avx512_bf16:
         speedup = support.bf16_speedup
         if speedup is None:
-            raise ValueError("CpuBf16Support with avx512_bf16 and no AMX needs bf16_speedup")
+            raise ValueError("CpuBf16Support with avx512_bf16, no AMX and not AMD needs bf16_speedup")
         if speedup >= MIN_BF16_SPEEDUP:
             return DtypeChoice(requested, "bfloat16",
                                f"auto: the CPU has avx512_bf16 and multiplies bfloat16 {speedup:.2f}x faster")

@@ -19,6 +19,19 @@ def cpu_probe(name: str) -> bool:
     return bool(probe()) if probe is not None else False
 
 
+def cpu_vendor() -> str | None:
+    """The CPU's vendor string as /proc/cpuinfo gives it ("AuthenticAMD", "GenuineIntel"); None where the
+    system has no such file or line (not Linux, not x86)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
 def reads_panels(body: str, dtype: torch.dtype) -> bool:
     """Whether the attention kernels' tiles in `body` read a pool of panels of `dtype` (kv_layout.py): a
     bfloat16 pool's in word pairs (the avx512_bf16 body), a float32 pool's in the AVX-512 tiles."""
