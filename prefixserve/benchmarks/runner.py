@@ -27,7 +27,7 @@ from prefixserve.benchmarks.limits import MachineLimits, ModelCost, measure_limi
 from prefixserve.benchmarks.serving_memory import ServingMemory, ServingMemoryUnavailable, measure_serving_memory
 from prefixserve.benchmarks.workloads import WORKLOAD_NAMES, Workload, build_workload, without_salts
 from prefixserve.model import ModelConfig
-from prefixserve.model.native.isa import cpu_probe
+from prefixserve.model.native.isa import cpu_fields, cpu_probe
 
 
 # KV pool of the prefixserve engines: room for every full workload's largest round without caching.
@@ -111,17 +111,7 @@ def machine_info(threads: int) -> dict:
     """The CPU as a report names it: /proc/cpuinfo's model name, with family and model where the name
     alone does not tell a generation (a VM may say only "AMD EPYC"), and the bfloat16 features torch
     (and so oneDNN and the kernels) can use, which decide what the bfloat16 figures mean."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, sep, value = line.partition(":")
-            if not sep:
-                if fields:
-                    break      # the first processor's block is enough
-                continue
-            fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
+    fields = cpu_fields()
     cpu = fields.get("model name") or platform.processor() or "unknown"
     if "cpu family" in fields and "model" in fields:
         cpu += f" (family {fields['cpu family']}, model {fields['model']})"

@@ -19,17 +19,27 @@ def cpu_probe(name: str) -> bool:
     return bool(probe()) if probe is not None else False
 
 
-def cpu_vendor() -> str | None:
-    """The CPU's vendor string as /proc/cpuinfo gives it ("AuthenticAMD", "GenuineIntel"); None where the
-    system has no such file or line (not Linux, not x86)."""
+def cpu_fields() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ("vendor_id", "model name", "cpu family", ...); empty
+    where the system has no such file (not Linux)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                key, sep, value = line.partition(":")
+                if not sep:
+                    if fields:
+                        break      # the first processor's block is enough
+                    continue
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
-        return None
-    return None
+        pass
+    return fields
+
+
+def cpu_vendor() -> str | None:
+    """The CPU's vendor ("AuthenticAMD", "GenuineIntel"); None where /proc/cpuinfo does not say."""
+    return cpu_fields().get("vendor_id")
 
 
 def reads_panels(body: str, dtype: torch.dtype) -> bool:
