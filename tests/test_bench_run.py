@@ -20,6 +20,7 @@ from prefixserve.benchmarks.report import to_json, to_markdown, write_plots
 from prefixserve.benchmarks.runner import BenchConfig, machine_info, run_benchmark
 from prefixserve.benchmarks.serving_memory import TARGET_NAME
 from prefixserve.entrypoints.cli import main
+from prefixserve.model.native.isa import cpu_probe
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,9 @@ def test_the_report_names_the_cpu_generation_and_its_bfloat16_features(results) 
         assert ("no avx512_bf16" not in info["cpu_features"]) == ("avx512_bf16" in flags)
         if "amx_tile" not in flags:
             assert "no AMX" in info["cpu_features"]
+        elif cpu_probe("_is_amx_tile_supported") and "amx_bf16" in flags:
+            # the packed GEMM runs bfloat16 on the tiles wherever the CPU and the OS grant them
+            assert "AMX, bfloat16 projections on its tiles" in info["cpu_features"]
     assert f"Machine: {results.machine['cpu']} ({results.machine['cpu_features']}), " in to_markdown(results)
 
 

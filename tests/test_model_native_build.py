@@ -203,9 +203,9 @@ def test_a_failing_write_into_the_cache_falls_back_without_compiling_twice(tmp_p
             raise OSError(28, "No space left on device")
         return real_install(dfd, prefix, data)
 
-    def counted(name, cc):
+    def counted(name, cc, defines=()):
         calls["compile"] += 1
-        return real_compile(name, cc)
+        return real_compile(name, cc, defines)
 
     monkeypatch.setattr(build, "_install", full_once)
     monkeypatch.setattr(build, "_compile", counted)

@@ -1,5 +1,7 @@
 """The packed GEMM and the packed weights it reads (native/packed_gemm.c, model/packed_weight.py), in
-each dtype it has a body for that this CPU runs (float32 with AVX-512, bfloat16 with avx512_bf16).
+each dtype it has a body for that this CPU runs (float32 with AVX-512, bfloat16 with avx512_bf16; on a CPU
+with AMX, bfloat16 of a k that is a multiple of 32 runs the tile body, whose tiling is also checked on
+emulated tiles in test_model_packed_gemm_tiles.py).
 
 Against float64 products of the same operands, over shapes that cut the 6-row groups and the
 64-column panels at every edge; bit for bit, a row's result whatever the rows beside it and the thread

@@ -27,6 +27,7 @@ from prefixserve.benchmarks.limits import MachineLimits, ModelCost, measure_limi
 from prefixserve.benchmarks.serving_memory import ServingMemory, ServingMemoryUnavailable, measure_serving_memory
 from prefixserve.benchmarks.workloads import WORKLOAD_NAMES, Workload, build_workload, without_salts
 from prefixserve.model import ModelConfig
+from prefixserve.model.native import packed_gemm
 from prefixserve.model.native.isa import cpu_fields, cpu_probe
 
 
@@ -115,8 +116,12 @@ def machine_info(threads: int) -> dict:
     cpu = fields.get("model name") or platform.processor() or "unknown"
     if "cpu family" in fields and "model" in fields:
         cpu += f" (family {fields['cpu family']}, model {fields['model']})"
-    features = ", ".join([("" if cpu_probe("_is_avx512_bf16_supported") else "no ") + "avx512_bf16",
-                          ("" if cpu_probe("_is_amx_tile_supported") else "no ") + "AMX"])
+    amx = "no AMX"
+    if cpu_probe("_is_amx_tile_supported"):
+        gemm = packed_gemm.default_kernel()
+        amx = "AMX" + (", bfloat16 projections on its tiles" if gemm is not None and gemm.tiles
+                       else ", bfloat16 projections not on its tiles")
+    features = ", ".join([("" if cpu_probe("_is_avx512_bf16_supported") else "no ") + "avx512_bf16", amx])
     return {"cpu": cpu, "cpu_features": features, "logical_cpus": os.cpu_count(), "threads": threads,
             "torch": torch.__version__, "python": platform.python_version()}
 

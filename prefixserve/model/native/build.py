@@ -195,7 +195,13 @@ def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
         return code, out.read().decode(errors="replace")
 
 
-def cache_key(name: str, cc: str) -> str:
+def compile_flags(defines: tuple[str, ...] = ()) -> list[str]:
+    """FLAGS and `-D` for each of `defines` (a variant of a kernel's source, such as one emulating an
+    instruction set this CPU lacks, for tests)."""
+    return [*FLAGS, *(f"-D{define}" for define in defines)]
+
+
+def cache_key(name: str, cc: str, defines: tuple[str, ...] = ()) -> str:
     """The part of a cached library's name fixed by its source, the folder's headers, compiler and flags."""
     try:
         source = (HERE / f"{name}.c").read_bytes()
@@ -209,11 +215,11 @@ def cache_key(name: str, cc: str) -> str:
         headers = [h.name.encode() + b"\0" + h.read_bytes() for h in sorted(HERE.glob("*.h"))]
     except OSError as exc:
         raise KernelUnavailable(BUILD_FAILED, f"cannot read the kernels' headers: {exc}") from exc
-    parts = [source, *headers, os.path.realpath(cc).encode(), version.encode(), *(flag.encode() for flag in FLAGS)]
+    parts = [source, *headers, os.path.realpath(cc).encode(), version.encode(), *(flag.encode() for flag in compile_flags(defines))]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
-def _compile(name: str, cc: str) -> bytes:
+def _compile(name: str, cc: str, defines: tuple[str, ...] = ()) -> bytes:
     """The library built from `<name>.c`, compiled in a private temp folder removed afterwards."""
     try:
         scratch = tempfile.mkdtemp(prefix="prefixserve-build-")
@@ -221,7 +227,7 @@ def _compile(name: str, cc: str) -> bytes:
         raise KernelUnavailable(BUILD_FAILED, f"no temp folder to compile in: {exc}") from exc
     try:
         target = os.path.join(scratch, f"{name}.so")
-        code, output = _run([cc, *FLAGS, str(HERE / f"{name}.c"), "-o", target, "-lm"], build_timeout())
+        code, output = _run([cc, *compile_flags(defines), str(HERE / f"{name}.c"), "-o", target, "-lm"], build_timeout())
         if code != 0:
             raise KernelUnavailable(BUILD_FAILED, f"{cc} exited with {code}: {output.strip()[-2000:]}")
         try:
@@ -363,11 +369,12 @@ def _describe(exc: OSError) -> str:
     return f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror}{where}"
 
 
-def _ensure_cached(dfd: int, name: str, cc: str, folder: Path, prefix: str, built: list[bytes]) -> str:
+def _ensure_cached(dfd: int, name: str, cc: str, folder: Path, prefix: str, built: list[bytes],
+                   defines: tuple[str, ...] = ()) -> str:
     entry = _find_cached(dfd, prefix, folder)
     if entry is None:
         if not built:
-            built.append(_compile(name, cc))
+            built.append(_compile(name, cc, defines))
         entry = _install(dfd, prefix, built[0])
     return entry
 
@@ -383,20 +390,21 @@ def build(name: str, cc: str, out_dir: Path) -> Path:
         return folder / _ensure_cached(dfd, name, cc, folder, prefix, [])
 
 
-def _open_library(name: str, cc: str, out_dir: Path) -> tuple[ctypes.CDLL, str, str | None]:
+def _open_library(name: str, cc: str, out_dir: Path,
+                  defines: tuple[str, ...] = ()) -> tuple[ctypes.CDLL, str, str | None]:
     """(library, file loaded, why out_dir was passed over or None); raises KernelUnavailable."""
     folder = Path(os.path.abspath(out_dir))
-    prefix = f"{name}-{cache_key(name, cc)}-"
+    prefix = f"{name}-{cache_key(name, cc, defines)}-"
     built: list[bytes] = []          # compiled once, even where the cache folder fails after compiling
     try:
         with _private_folder(folder) as dfd:
-            entry = _ensure_cached(dfd, name, cc, folder, prefix, built)
+            entry = _ensure_cached(dfd, name, cc, folder, prefix, built, defines)
             return _dlopen(dfd, entry, folder), str(folder / entry), None
     except OSError as exc:
         note = f"cache folder {folder} unusable ({_describe(exc)})"
     _log_once(logging.WARNING, f"kernel {note}: building in a private temp folder instead")
     if not built:
-        built.append(_compile(name, cc))
+        built.append(_compile(name, cc, defines))
     try:
         temp = Path(tempfile.mkdtemp(prefix="prefixserve-kernels-"))
     except OSError as exc:
@@ -414,9 +422,11 @@ def _open_library(name: str, cc: str, out_dir: Path) -> tuple[ctypes.CDLL, str, 
 
 
 def try_load_kernel(name: str, cc: str | None, out_dir: Path, wrap: Callable[[ctypes.CDLL], K],
-                    probe: Callable[[K], bool], needs_avx512: bool = False) -> tuple[K | None, KernelStatus]:
+                    probe: Callable[[K], bool], needs_avx512: bool = False,
+                    defines: tuple[str, ...] = ()) -> tuple[K | None, KernelStatus]:
     """Build, load and wrap kernel `name`, and check it against torch with `probe`: (kernel or None, status).
     needs_avx512: the kernel is nothing but AVX-512 multiply-adds (not even its probe runs without).
+    defines: macros to build the source with (`compile_flags`), a variant cached apart from the plain build.
 
     Never raises for a kernel's sake; every inactive outcome but an unsupported CPU is logged.
     """
@@ -430,7 +440,7 @@ def try_load_kernel(name: str, cc: str | None, out_dir: Path, wrap: Callable[[ct
         kernel, status = None, KernelStatus(name, False, NO_COMPILER, "no C compiler found ($CC, cc or gcc)")
     else:
         try:
-            kernel, status = _load_checked(name, cc, out_dir, wrap, probe)
+            kernel, status = _load_checked(name, cc, out_dir, wrap, probe, defines)
         except Exception as exc:  # noqa: BLE001 - a kernel must never stop start-up
             kernel, status = None, KernelStatus(name, False, LOAD_FAILED, f"unexpected error: {exc!r}")
     if kernel is None:
@@ -440,9 +450,9 @@ def try_load_kernel(name: str, cc: str | None, out_dir: Path, wrap: Callable[[ct
 
 
 def _load_checked(name: str, cc: str, out_dir: Path, wrap: Callable[[ctypes.CDLL], K],
-                  probe: Callable[[K], bool]) -> tuple[K | None, KernelStatus]:
+                  probe: Callable[[K], bool], defines: tuple[str, ...] = ()) -> tuple[K | None, KernelStatus]:
     try:
-        library, path, note = _open_library(name, cc, out_dir)
+        library, path, note = _open_library(name, cc, out_dir, defines)
     except KernelUnavailable as exc:
         return None, KernelStatus(name, False, exc.reason, exc.detail)
     try:
@@ -463,9 +473,9 @@ def _load_checked(name: str, cc: str, out_dir: Path, wrap: Callable[[ctypes.CDLL
 
 
 def load_kernel(name: str, cc: str | None, out_dir: Path, wrap: Callable[[ctypes.CDLL], K],
-                probe: Callable[[K], bool], needs_avx512: bool = False) -> K | None:
+                probe: Callable[[K], bool], needs_avx512: bool = False, defines: tuple[str, ...] = ()) -> K | None:
     """Build, load and wrap kernel `name`, and check it against torch with `probe`; None where any step fails."""
-    return try_load_kernel(name, cc, out_dir, wrap, probe, needs_avx512)[0]
+    return try_load_kernel(name, cc, out_dir, wrap, probe, needs_avx512, defines)[0]
 
 
 _statuses: dict[str, KernelStatus] = {}

@@ -3,7 +3,8 @@
 Used for every projection of a bfloat16 model on a CPU with avx512_bf16 and of a float32 model on a CPU
 with AVX-512, at every row count: one kernel whose row results do not depend on the batch, so prefix
 caching stays exact, and faster than both the row-major few-row kernel and oneDNN from decode to
-prefill sizes (see the C file).
+prefill sizes (see the C file). Where the CPU has AMX and the OS grants it (`PackedGemm.tiles`), bfloat16
+weights whose k is a multiple of `PackedGemm.tile_k` take the tile body instead, at every row count too.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ STEP = {torch.bfloat16: 2, torch.float32: 1}
 _FUNCTIONS = {torch.bfloat16: "packed_gemm_bf16", torch.float32: "packed_gemm_f32"}
 # per dtype, the function whose results are that dtype's, stored widened to float32 (float32's: its own)
 _WIDENED = {torch.bfloat16: "packed_gemm_bf16_widened", torch.float32: "packed_gemm_f32"}
+# the C file built with its tiles emulated in C (for tests on CPUs without AMX)
+EMULATE_TILES = "PACKED_GEMM_EMULATE_TILES"
 
 
 def panel_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -55,6 +58,10 @@ class PackedGemm:
 
     def __init__(self, library: ctypes.CDLL, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
         self.dtypes = runnable_dtypes() if dtypes is None else dtypes
+        # whether bfloat16 products of a k that is a multiple of tile_k run on AMX tiles (read by the library
+        # when it loads: the CPU's AMX-TILE, AMX-BF16 and avx512_bf16, and the OS's permission)
+        self.tiles = bool(library.packed_gemm_tiles())
+        self.tile_k = int(library.packed_gemm_tile_k())
         # per dtype (x, panels, bias or 0, y, m, n, k, threads); public, unchecked, for callers that check their
         # operands once and call it many times (model/decode_program.py)
         self.functions, self._widened = {}, {}
@@ -95,19 +102,24 @@ class PackedGemm:
 
 def _agrees_with_torch(kernel: PackedGemm) -> bool:
     gen = torch.Generator().manual_seed(0)
-    x, w, b = torch.randn(7, 24, generator=gen), torch.randn(70, 24, generator=gen), torch.randn(70, generator=gen)
-    for dtype in kernel.dtypes:
-        xd, wd, bd = x.to(dtype), w.to(dtype), b.to(dtype)
-        panels = pack(wd, torch.zeros(panel_shape(70, 24, dtype), dtype=dtype))
-        exact = torch.addmm(bd.double(), xd.double(), wd.double().T)
-        if not torch.allclose(kernel(xd, panels, 70, bd).double(), exact, rtol=1e-2, atol=1e-2):
-            return False
+    # k = 24 takes the vector body; k = 64 the tile body too where there is one (two steps, two row groups)
+    for m, k in ((7, 24), (17, 2 * kernel.tile_k)):
+        x, w, b = torch.randn(m, k, generator=gen), torch.randn(70, k, generator=gen), torch.randn(70, generator=gen)
+        for dtype in kernel.dtypes:
+            xd, wd, bd = x.to(dtype), w.to(dtype), b.to(dtype)
+            panels = pack(wd, torch.zeros(panel_shape(70, k, dtype), dtype=dtype))
+            exact = torch.addmm(bd.double(), xd.double(), wd.double().T)
+            if not torch.allclose(kernel(xd, panels, 70, bd).double(), exact, rtol=1e-2, atol=1e-2):
+                return False
     return True
 
 
-def load(cc: str | None, out_dir: Path) -> PackedGemm | None:
-    """Build and load the kernel, checked against torch on a probe; None where it cannot be used."""
-    return load_kernel("packed_gemm", cc, out_dir, PackedGemm, _agrees_with_torch, needs_avx512=True)
+def load(cc: str | None, out_dir: Path, emulate_tiles: bool = False) -> PackedGemm | None:
+    """Build and load the kernel, checked against torch on a probe; None where it cannot be used.
+    emulate_tiles: a build whose bfloat16 products take the tile body on tiles emulated in C, on any CPU
+    with avx512_bf16 (slow; for checking the tile body where there is no AMX)."""
+    return load_kernel("packed_gemm", cc, out_dir, PackedGemm, _agrees_with_torch, needs_avx512=True,
+                       defines=(EMULATE_TILES,) if emulate_tiles else ())
 
 
 @functools.cache
