@@ -51,7 +51,9 @@ minutes=$(( ($(date +%s) - start + 59) / 60 ))
   benchmark's dtype (F32 or BF16 GGUF). `llama.cpp-q8_0`: the same on a Q8_0 export (matrices quantized,
   norms kept in float32, as llama.cpp's converter does), reported alongside with no target.
 - **Dtypes.** The whole benchmark runs once per dtype, each against the limits measured in that dtype; the
-  tables of each dtype follow each other on this page.
+  tables of each dtype follow each other on this page, then prefixserve's wall time per workload in both
+  (bfloat16 against float32), with the target for CPUs with AMX (long-doc-qa in bfloat16 at least 3x faster
+  than in float32), judged only where the CPU has AMX.
 - **Rounds.** All requests of a round arrive at its start; TTFT and end-to-end latency count from there, so a
   one-at-a-time engine's queueing shows in its latencies. Multi-turn rounds are turns; each waits for the
   previous one.

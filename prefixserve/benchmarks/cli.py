@@ -51,15 +51,15 @@ def run(args: argparse.Namespace) -> int:
     workloads = tuple(args.workload or WORKLOAD_NAMES)
     if args.online:
         return _run_online(args, workloads, console)
-    from prefixserve.benchmarks.report import to_markdown, write_json, write_plots
+    from prefixserve.benchmarks.report import dtype_comparison_md, to_markdown, write_json, write_plots
     from prefixserve.benchmarks.runner import BenchConfig, run_benchmark
     dtypes = _dtypes(args)
-    texts = []
+    texts, by_dtype = [], {}
     for dtype in dtypes:
         config = BenchConfig(model=args.model, dtype=dtype, workloads=workloads,
                              engines=tuple(args.engine or ENGINE_NAMES), quick=args.quick, threads=args.threads,
                              seed=args.seed, cache_dir=args.cache_dir, llama_kv_f32=not args.llama_kv_f16)
-        results = run_benchmark(config, console)
+        results = by_dtype[dtype] = run_benchmark(config, console)
         texts.append(to_markdown(results))
         print(texts[-1])
         # one file or folder per dtype when there are several
@@ -69,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             for path in write_plots(results, args.plot / dtype if suffix else args.plot):
                 console.print(f"wrote {path}")
+    if "float32" in by_dtype and "bfloat16" in by_dtype:
+        texts.append(dtype_comparison_md(by_dtype["float32"], by_dtype["bfloat16"]))
+        print(texts[-1])
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text("\n\n".join(texts) + "\n")

@@ -6,6 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
+from prefixserve.benchmarks.dtype_comparison import amx_target, speedups
 from prefixserve.benchmarks.figures import Figures, figures_of, output_agreement
 from prefixserve.benchmarks.limits import MachineLimits, batched_decode_bound_s, ideal_decode_steps_per_s, \
     ideal_prefill_tokens_per_s, ideal_workload_seconds
@@ -109,6 +110,17 @@ def to_markdown(res: BenchResults) -> str:
     return "\n".join(lines)
 
 
+def dtype_comparison_md(float32: BenchResults, bfloat16: BenchResults) -> str:
+    """prefixserve's wall time per workload in both dtypes of one run, and the AMX target."""
+    lines = ["## bfloat16 against float32", "",
+             "prefixserve (cold, cache on) per workload, the runs of each dtype's part of this page.", "",
+             "| workload | float32 wall s | bfloat16 wall s | bfloat16 speed-up |", "|---|---|---|---|"]
+    lines += [f"| {s.workload} | {s.float32_s:.3g} | {s.bfloat16_s:.3g} | {s.speedup:.2f}x |"
+              for s in speedups(float32, bfloat16)]
+    target = amx_target(float32, bfloat16)
+    return "\n".join(lines + [""] + _targets_table([target]) + [f"{target.name}: {target.detail}."])
+
+
 def _roofline_md(roof: dict) -> list[str]:
     if not roof:
         return []
@@ -135,7 +147,11 @@ def _batched_decode_md(b: Optional[dict]) -> list[str]:
 
 
 def _targets_md(targets: list[Target]) -> list[str]:
-    lines = ["## Targets", "", "| target | wanted | measured | verdict |", "|---|---|---|---|"]
+    return ["## Targets", ""] + _targets_table(targets)
+
+
+def _targets_table(targets: list[Target]) -> list[str]:
+    lines = ["| target | wanted | measured | verdict |", "|---|---|---|---|"]
     for t in targets:
         verdict = "reported" if t.met is None and t.measured is not None else (
             "not measured" if t.met is None else ("**met**" if t.met else "**not met**"))

@@ -116,13 +116,13 @@ def machine_info(threads: int) -> dict:
     cpu = fields.get("model name") or platform.processor() or "unknown"
     if "cpu family" in fields and "model" in fields:
         cpu += f" (family {fields['cpu family']}, model {fields['model']})"
-    amx = "no AMX"
-    if cpu_probe("_is_amx_tile_supported"):
+    amx, tiles = cpu_probe("_is_amx_tile_supported"), "no AMX"
+    if amx:
         gemm = packed_gemm.default_kernel()
-        amx = "AMX" + (", bfloat16 projections on its tiles" if gemm is not None and gemm.tiles
-                       else ", bfloat16 projections not on its tiles")
-    features = ", ".join([("" if cpu_probe("_is_avx512_bf16_supported") else "no ") + "avx512_bf16", amx])
-    return {"cpu": cpu, "cpu_features": features, "logical_cpus": os.cpu_count(), "threads": threads,
+        tiles = "AMX" + (", bfloat16 projections on its tiles" if gemm is not None and gemm.tiles
+                         else ", bfloat16 projections not on its tiles")
+    features = ", ".join([("" if cpu_probe("_is_avx512_bf16_supported") else "no ") + "avx512_bf16", tiles])
+    return {"cpu": cpu, "cpu_features": features, "amx": amx, "logical_cpus": os.cpu_count(), "threads": threads,
             "torch": torch.__version__, "python": platform.python_version()}
 
 
