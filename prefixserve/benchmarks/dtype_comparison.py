@@ -46,7 +46,7 @@ def amx_target(float32: BenchResults, bfloat16: BenchResults) -> Target:
     found = next((s for s in speedups(float32, bfloat16) if s.workload == TARGET_WORKLOAD), None)
     if found is None:
         return Target(name, wanted, None, None, f"prefixserve did not run {TARGET_WORKLOAD} in both dtypes")
-    detail = f"{found.float32_s:.3g} s in float32, {found.bfloat16_s:.3g} s in bfloat16"
+    detail = f"{found.float32_s:.2f} s in float32, {found.bfloat16_s:.2f} s in bfloat16"
     if not (float32.machine.get("amx") and bfloat16.machine.get("amx")):
         return Target(name, wanted, found.speedup, None, detail + "; this CPU has no AMX: reported, not judged")
     return Target(name, wanted, found.speedup, found.speedup >= AMX_SPEEDUP, detail)

@@ -115,10 +115,15 @@ def dtype_comparison_md(float32: BenchResults, bfloat16: BenchResults) -> str:
     lines = ["## bfloat16 against float32", "",
              "prefixserve (cold, cache on) per workload, the runs of each dtype's part of this page.", "",
              "| workload | float32 wall s | bfloat16 wall s | bfloat16 speed-up |", "|---|---|---|---|"]
-    lines += [f"| {s.workload} | {s.float32_s:.3g} | {s.bfloat16_s:.3g} | {s.speedup:.2f}x |"
+    lines += [f"| {s.workload} | {_seconds(s.float32_s)} | {_seconds(s.bfloat16_s)} | {s.speedup:.2f}x |"
               for s in speedups(float32, bfloat16)]
     target = amx_target(float32, bfloat16)
     return "\n".join(lines + [""] + _targets_table([target]) + [f"{target.name}: {target.detail}."])
+
+
+def _seconds(x: float) -> str:
+    """Two decimals, or three significant digits under a second (a quick run's)."""
+    return f"{x:.2f}" if x >= 1 else f"{x:.3g}"
 
 
 def _roofline_md(roof: dict) -> list[str]:
