@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from native_kernel_build import build_fresh
-from prefixserve.model.native import packed_gemm
+from prefixserve.model.native import build, packed_gemm
 from prefixserve.model.native.isa import cpu_probe
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,18 @@ def test_the_emulated_build_takes_the_tiles_and_the_default_one_exactly_where_th
     assert emulated.tiles and emulated.tile_k == 32
     # torch asks the CPU for AMX tiles and Linux for the permission, as the library does when it loads
     assert native.tiles == cpu_probe("_is_amx_tile_supported")
+
+
+def test_the_emulated_build_is_cached_apart_from_the_plain_one(tmp_path) -> None:
+    """The macros are part of the cache key: an emulated library is never loaded as the process's kernel."""
+    if torch.bfloat16 not in packed_gemm.runnable_dtypes():
+        pytest.skip("needs a CPU with avx512_bf16")
+    cc = build.compiler()
+    emulated = packed_gemm.load(cc, tmp_path, emulate_tiles=True)
+    plain = packed_gemm.load(cc, tmp_path)
+    assert emulated.tiles and plain.tiles == cpu_probe("_is_amx_tile_supported")
+    assert len(list(tmp_path.glob("packed_gemm-*.so"))) == 2
+    assert build.cache_key("packed_gemm", cc) != build.cache_key("packed_gemm", cc, (packed_gemm.EMULATE_TILES,))
 
 
 @pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 40])
