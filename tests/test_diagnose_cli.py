@@ -46,6 +46,20 @@ def test_lint_formats(logs, capsys):
     assert "[tool-order]" in text and "fix:" in text and "after suggested fixes" in text
 
 
+def test_lint_shows_no_salt_as_a_dash(tmp_path, capsys):
+    """A log without tenants or salts: its requests' salt column says "-", not Python's None."""
+    log = write_log(tmp_path / "unsalted.jsonl",
+                    [{k: v for k, v in r.items() if k != "tenant"} for r in RULE_LOGS["tool-order"]()])
+    assert main(["lint", str(log), "--format", "json"]) == 0
+    assert [r["cache_salt"] for r in json.loads(capsys.readouterr().out)["requests"]] == [None] * 3
+    assert main(["lint", str(log), "--format", "markdown"]) == 0
+    markdown = capsys.readouterr().out
+    assert len([line for line in markdown.splitlines() if line.startswith("| line") and " | - | " in line]) == 3
+    assert main(["lint", str(log)]) == 0
+    text = capsys.readouterr().out
+    assert "Requests (cache salt, tokens" in text and "None" not in text and "None" not in markdown
+
+
 def test_replay_table_and_plot(logs, tmp_path, capsys):
     plot = tmp_path / "img" / "replay.png"
     assert main(["replay", str(logs["clean"]), "--cache-blocks", "40", "400", "--block-size", "16", "32",

@@ -87,13 +87,18 @@ def _text(report: LintReport) -> str:
         if note:
             out.append(f"  {note}")
         out.append("")
-    out.append("Requests (tokens, reusable as logged, reusable after fixes, first divergence)")
+    out.append("Requests (cache salt, tokens, reusable as logged, reusable after fixes, first divergence)")
     width = max(len(r.request_id) for r in report.requests)
     for r in report.requests:
         rules = f"  [{_rules(r)}]" if r.findings else ""
-        out.append(f"  {r.request_id:<{width}}  {str(r.cache_salt):<10} {r.tokens:>6} "
+        out.append(f"  {r.request_id:<{width}}  {_salt(r):<10} {r.tokens:>6} "
                    f"{r.reusable_tokens:>6} {r.fixed_reusable_tokens:>6}  {_divergence_line(r)}{rules}")
     return "\n".join(out) + "\n"
+
+
+def _salt(r) -> str:
+    """A request's cache salt, or "-" for none."""
+    return "-" if r.cache_salt is None else r.cache_salt
 
 
 def _markdown(report: LintReport) -> str:
@@ -122,7 +127,7 @@ def _markdown(report: LintReport) -> str:
     out += ["## Requests", "", "| request | salt | tokens | reusable | after fixes | first divergence | rules |",
             "|---|---|---:|---:|---:|---|---|"]
     for r in report.requests:
-        out.append(f"| {r.request_id} | {r.cache_salt} | {r.tokens} | {r.reusable_tokens} | "
+        out.append(f"| {r.request_id} | {_salt(r)} | {r.tokens} | {r.reusable_tokens} | "
                    f"{r.fixed_reusable_tokens} | {_divergence_line(r).replace('|', '/')} | "
                    f"{_rules(r)} |")
     return "\n".join(out) + "\n"
