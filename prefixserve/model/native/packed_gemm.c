@@ -31,6 +31,8 @@
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 #include <omp.h>
 
@@ -261,7 +263,6 @@ typedef struct {
  * then added to the destination; denormals are not flushed here). Hardware may round differently; the
  * tests use this only to check the body's tiling against a brute-force product of the same definition. */
 #include <math.h>
-#include <string.h>
 static __thread struct {
     tile_config config;
     uint8_t data[8][TILE_ROWS][64];
@@ -342,10 +343,13 @@ static int detect_tiles(void) {
 #endif
 }
 
+/* PREFIXSERVE_AMX=0 keeps bfloat16 on the vector body: to compare the two bodies on one machine, or to
+ * step around a hypervisor that advertises AMX but runs it badly */
 __attribute__((constructor)) static void read_machine(void) {
     const long bytes = sysconf(_SC_LEVEL1_DCACHE_SIZE);
     l1_data_bytes = bytes > 0 ? bytes : 0;
-    tiles_usable = detect_tiles();
+    const char* amx = getenv("PREFIXSERVE_AMX");
+    tiles_usable = !(amx && strcmp(amx, "0") == 0) && detect_tiles();
 }
 
 #if TILE_BODY

@@ -25,6 +25,8 @@ _FUNCTIONS = {torch.bfloat16: "packed_gemm_bf16", torch.float32: "packed_gemm_f3
 _WIDENED = {torch.bfloat16: "packed_gemm_bf16_widened", torch.float32: "packed_gemm_f32"}
 # the C file built with its tiles emulated in C (for tests on CPUs without AMX)
 EMULATE_TILES = "PACKED_GEMM_EMULATE_TILES"
+# PREFIXSERVE_AMX=0 in the environment when the library loads: bfloat16 stays on the vector body
+AMX_ENV = "PREFIXSERVE_AMX"
 
 
 def panel_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -59,7 +61,7 @@ class PackedGemm:
     def __init__(self, library: ctypes.CDLL, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
         self.dtypes = runnable_dtypes() if dtypes is None else dtypes
         # whether bfloat16 products of a k that is a multiple of tile_k run on AMX tiles (read by the library
-        # when it loads: the CPU's AMX-TILE, AMX-BF16 and avx512_bf16, and the OS's permission)
+        # when it loads: the CPU's AMX-TILE, AMX-BF16 and avx512_bf16, the OS's permission, and AMX_ENV)
         self.tiles = bool(library.packed_gemm_tiles())
         self.tile_k = int(library.packed_gemm_tile_k())
         # per dtype (x, panels, bias or 0, y, m, n, k, threads); public, unchecked, for callers that check their
