@@ -228,8 +228,8 @@ PACKED_GEMM(_bf16_widened, _bf16, AVX512_BF16_TARGET, uint16_t, 2, float, _bf16_
  * 16 columns, are one B tile (16 pairs of k x 16 columns, read with a stride of 256 bytes), and TILE_K
  * consecutive elements of TILE_ROWS rows of x are one A tile. Per panel and group of up to 16 rows, four
  * accumulator tiles (0-3) hold the group's 16 x 64 sums; each step of TILE_K loads the group's A tile (4)
- * once and the four column groups' B tiles alternately into 5 and 6, so a load never waits on the product
- * still reading the tile before it. The sums are stored to memory once per group and finished there as the
+ * once and the four column groups' B tiles alternately into 5 and 6, so each load can overlap the product
+ * reading the other B tile. The sums are stored to memory once per group and finished there as the
  * vector body finishes its own (bias, one rounding, masked columns).
  * Threads split the panels as in the vector body. With up to 16 rows (decode) each panel streams once, in
  * order, 4 KB a step; more rows re-read the panel from L2 once per group of 16.
