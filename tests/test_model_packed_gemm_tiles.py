@@ -23,17 +23,21 @@ from native_kernel_build import build_fresh
 from prefixserve.model.native import build, packed_gemm
 from prefixserve.model.native.isa import cpu_probe
 
+def require_bfloat16_body() -> None:
+    """Both builds run bfloat16 on avx512_bf16 code (the vector body, and the tile body's finish)."""
+    if torch.bfloat16 not in packed_gemm.runnable_dtypes():
+        pytest.skip("needs a CPU with avx512_bf16 (the vector body and the tile body's finish)")
+
+
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory) -> packed_gemm.PackedGemm:
-    if torch.bfloat16 not in packed_gemm.runnable_dtypes():
-        pytest.skip("the tile body's finish is avx512_bf16 code")
+    require_bfloat16_body()
     return build_fresh(lambda cc, out: packed_gemm.load(cc, out, emulate_tiles=True), tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def native(tmp_path_factory) -> packed_gemm.PackedGemm:
-    if torch.bfloat16 not in packed_gemm.runnable_dtypes():
-        pytest.skip("needs a CPU with avx512_bf16")
+    require_bfloat16_body()
     return build_fresh(packed_gemm.load, tmp_path_factory)
 
 
@@ -72,8 +76,7 @@ def test_the_emulated_build_takes_the_tiles_and_the_default_one_exactly_where_th
 
 def test_the_emulated_build_is_cached_apart_from_the_plain_one(tmp_path) -> None:
     """The macros are part of the cache key: an emulated library is never loaded as the process's kernel."""
-    if torch.bfloat16 not in packed_gemm.runnable_dtypes():
-        pytest.skip("needs a CPU with avx512_bf16")
+    require_bfloat16_body()
     cc = build.compiler()
     emulated = packed_gemm.load(cc, tmp_path, emulate_tiles=True)
     plain = packed_gemm.load(cc, tmp_path)

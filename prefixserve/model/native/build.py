@@ -215,7 +215,8 @@ def cache_key(name: str, cc: str, defines: tuple[str, ...] = ()) -> str:
         headers = [h.name.encode() + b"\0" + h.read_bytes() for h in sorted(HERE.glob("*.h"))]
     except OSError as exc:
         raise KernelUnavailable(BUILD_FAILED, f"cannot read the kernels' headers: {exc}") from exc
-    parts = [source, *headers, os.path.realpath(cc).encode(), version.encode(), *(flag.encode() for flag in compile_flags(defines))]
+    flags = [flag.encode() for flag in compile_flags(defines)]
+    parts = [source, *headers, os.path.realpath(cc).encode(), version.encode(), *flags]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -227,7 +228,8 @@ def _compile(name: str, cc: str, defines: tuple[str, ...] = ()) -> bytes:
         raise KernelUnavailable(BUILD_FAILED, f"no temp folder to compile in: {exc}") from exc
     try:
         target = os.path.join(scratch, f"{name}.so")
-        code, output = _run([cc, *compile_flags(defines), str(HERE / f"{name}.c"), "-o", target, "-lm"], build_timeout())
+        code, output = _run([cc, *compile_flags(defines), str(HERE / f"{name}.c"), "-o", target, "-lm"],
+                            build_timeout())
         if code != 0:
             raise KernelUnavailable(BUILD_FAILED, f"{cc} exited with {code}: {output.strip()[-2000:]}")
         try:

@@ -428,14 +428,17 @@ TILE_GEMM(_bf16_widened, float)
 #endif
 
 /* The exported products: bfloat16 on the tiles where usable and k allows, else the vector body */
+/* the one rule: by the machine and the weight's k, never by the rows */
+static int takes_tiles(long k) { return tiles_usable && k % TILE_K == 0; }
+
 void packed_gemm_bf16(const uint16_t* x, const uint16_t* wp, const float* bias, uint16_t* y, long m, long n,
                       long k, int threads) {
-    if (tiles_usable && k % TILE_K == 0) tile_gemm_bf16(x, wp, bias, y, m, n, k, threads);
+    if (takes_tiles(k)) tile_gemm_bf16(x, wp, bias, y, m, n, k, threads);
     else vector_gemm_bf16(x, wp, bias, y, m, n, k, threads);
 }
 void packed_gemm_bf16_widened(const uint16_t* x, const uint16_t* wp, const float* bias, float* y, long m, long n,
                               long k, int threads) {
-    if (tiles_usable && k % TILE_K == 0) tile_gemm_bf16_widened(x, wp, bias, y, m, n, k, threads);
+    if (takes_tiles(k)) tile_gemm_bf16_widened(x, wp, bias, y, m, n, k, threads);
     else vector_gemm_bf16_widened(x, wp, bias, y, m, n, k, threads);
 }
 void packed_gemm_f32(const float* x, const float* wp, const float* bias, float* y, long m, long n, long k,
