@@ -95,6 +95,10 @@ class PinLimitError(CapacityError):
     default_code = "pin_limit"
 
 
+class CachedContentLimitError(CapacityError):
+    default_code = "cached_content_limit"
+
+
 class RequestAbortedError(PrefixServeError):
     default_code = "request_aborted"
 

@@ -150,3 +150,40 @@ def test_an_expired_content_is_gone_and_repin_sets_the_expiry_both_ways():
     with pytest.raises(NotFoundError):
         engine.find_cached_content("cc-1")
     assert engine.cached_contents() == [] and engine.stats().blocks_pinned == 0
+
+
+def make_tenant_engine(clock, max_contents: int) -> LLMEngine:
+    return LLMEngine(EngineConfig(model="random:qwen3-tiny", block_size=BS, num_kv_blocks=40,
+                                  max_cached_contents_per_tenant=max_contents), clock=clock)
+
+
+def create_for(engine: LLMEngine, cid: str, tokens: list[int], tenant: str, ttl_s=60.0):
+    from prefixserve.engine import CachedContent
+    c = CachedContent(cid, None, tokens, tenant, 0, owner=tenant, tenant=tenant)
+    out = run(engine, f"prefill-{cid}", tokens, pins=[CachePin(len(tokens), ttl_s, content=c, tenant=tenant)])
+    return out.pins[0]
+
+
+def test_a_tenant_at_its_maximum_of_contents_is_refused_before_anything_is_pinned():
+    # Identical contents share one pin, so only a count bounds what one tenant registers.
+    rng = random.Random(6)
+    doc, other = ([rng.randrange(10, 4000) for _ in range(64)] for _ in range(2))
+    clock = FakeClock()
+    engine = make_tenant_engine(clock, max_contents=3)
+    assert all(create_for(engine, f"a{i}", doc, "acme").error is None for i in range(3))
+    pinned = engine.stats().blocks_pinned
+    for cid, tokens in (("a3", doc), ("a4", other)):
+        refused = create_for(engine, cid, tokens, "acme")
+        assert refused.error_code == "cached_content_limit" and refused.pin_id is None
+    assert engine.stats().blocks_pinned == pinned          # the other document was not pinned
+    assert [c.id for c, _ in engine.cached_contents("acme")] == ["a0", "a1", "a2"]
+    assert create_for(engine, "z0", other, "zeta").error is None    # another tenant is not held back
+    engine.delete_cached_content("a1", owner="acme")
+    assert create_for(engine, "a5", doc, "acme").error is None
+    # the shared pin's expiry takes all of acme's contents, and with them its count
+    clock.now += 61.0
+    assert engine.cached_contents("acme") == [] and engine.cached_contents("zeta") == []
+    assert all(create_for(engine, f"b{i}", doc, "acme").error is None for i in range(3))
+    engine.reset_prefix_cache()
+    assert engine.cached_contents("acme") == [] and engine.stats().blocks_pinned == 0
+    engine.kv.check_integrity()

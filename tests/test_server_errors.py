@@ -22,8 +22,8 @@ def test_every_error_class_has_a_status_by_its_kind(cls) -> None:
         assert err.status == 429 and err.headers["Retry-After"]
     elif issubclass(cls, errors.RequestAbortedError):
         assert err.status == 499
-    elif issubclass(cls, errors.PinLimitError):
-        assert err.status == 409
+    elif issubclass(cls, (errors.PinLimitError, errors.CachedContentLimitError)):
+        assert err.status == 409  # a cap on what the cache holds, not a server fault
     else:
         assert err.status >= 500 and err.param is None
     assert err.message == "boom" and err.code == cls("x").code

@@ -18,7 +18,7 @@ from test_server_api import LiveServer, assert_pool_idle
 
 from prefixserve import EngineConfig, LLMEngine
 from prefixserve.entrypoints.server.app import build_app
-from prefixserve.entrypoints.server.auth import KeyTable
+from prefixserve.entrypoints.server.auth import KeyTable, Principal
 from prefixserve.entrypoints.server.config import ServerConfig
 
 MODEL = "random:qwen3-tiny"
@@ -29,13 +29,17 @@ SECRET = ("ACME internal playbook: the launch code is 7 4 1 9, the partner is Gl
           "floor is forty two. ") * 4
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def keyed_server(tmp_path_factory, engine: dict):
     path = tmp_path_factory.mktemp("keys") / "keys.json"
     path.write_text(json.dumps(KEYS))
-    app = build_app(LLMEngine(EngineConfig(**ENGINE)), ServerConfig(keys=KeyTable.from_file(path)))
+    app = build_app(LLMEngine(EngineConfig(**engine)), ServerConfig(keys=KeyTable.from_file(path)))
     with LiveServer(app) as live:
         yield live
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from keyed_server(tmp_path_factory, ENGINE)
 
 
 def http(server, key=None) -> httpx.Client:
@@ -152,3 +156,81 @@ def test_without_keys_a_salted_content_is_not_usable_or_listed_without_its_salt(
         r = c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "cached_content": "doc",
                                                  "cache_salt": "tenant-a", "messages": [{"role": "user", "content": "x"}]})
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+SHARE_ENGINE = dict(ENGINE, max_pinned_fraction_per_tenant=0.1, max_cached_contents_per_tenant=3)
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory):
+    yield from keyed_server(tmp_path_factory, SHARE_ENGINE)
+
+
+def test_a_tenant_flooding_cached_contents_is_stopped_at_its_maximum_and_others_are_not(shared_server):
+    # Identical contents share one pin, so without a per-tenant count one tenant could register
+    # them without end, each keeping its tokens and conversation, until the server ran out of memory.
+    body = {"model": MODEL, "system": SECRET, "ttl": "1h"}
+    with http(shared_server, "key-of-acme-0001") as acme, http(shared_server, "key-of-zeta-0002") as zeta:
+        made = [acme.post("/v1/cached_contents", json=body) for _ in range(3)]
+        assert [r.status_code for r in made] == [200, 200, 200]
+        refused = acme.post("/v1/cached_contents", json=body)
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "cached_content_limit"
+        assert len(acme.get("/v1/cached_contents").json()["data"]) == 3
+        # the same count under another salt of the same tenant: the maximum is the tenant's
+        salted = acme.post("/v1/cached_contents", json={**body, "cache_salt": "project-x"})
+        assert salted.status_code == 409 and salted.json()["error"]["code"] == "cached_content_limit"
+        assert zeta.post("/v1/cached_contents", json={**body, "name": "z"}).status_code == 200
+        assert acme.delete(f"/v1/cached_contents/{made[0].json()['id']}").status_code == 200
+        again = acme.post("/v1/cached_contents", json=body)
+        assert again.status_code == 200
+        for client, data in ((acme, acme.get("/v1/cached_contents").json()["data"]),
+                             (zeta, zeta.get("/v1/cached_contents").json()["data"])):
+            for c in data:
+                assert client.delete(f"/v1/cached_contents/{c['id']}").status_code == 200
+    assert_pool_idle(shared_server)
+
+
+def pinned_chat(client: httpx.Client, doc: str) -> dict:
+    r = client.post("/v1/chat/completions", json={
+        "model": MODEL, "max_tokens": 1, "temperature": 0,
+        "messages": [{"role": "system", "content": [{"type": "text", "text": doc,
+                                                     "cache_control": {"type": "ephemeral", "ttl": "1h"}}]},
+                     {"role": "user", "content": "q"}]})
+    assert r.status_code == 200, r.text
+    (entry,) = r.json()["prefixserve"]["cache_breakpoints"]
+    return {**entry, "warning": r.headers.get("prefixserve-cache-warning")}
+
+
+def test_a_tenant_cannot_pin_past_its_share_of_the_pool_and_the_others_still_pin(shared_server):
+    share = int(SHARE_ENGINE["num_kv_blocks"] * SHARE_ENGINE["max_pinned_fraction_per_tenant"])
+    block = ENGINE["block_size"]
+    docs = {name: " ".join(f"{name} fact {i} is {i * 7 % 13}." for i in range(words))
+            for name, words in (("alpha", 30), ("beta", 30), ("gamma", 30), ("delta", 30))}
+    held = {"acme": 0, "zeta": 0}
+    outcomes = []
+    with http(shared_server, "key-of-acme-0001") as acme, http(shared_server, "key-of-zeta-0002") as zeta:
+        for tenant, client, doc in (("acme", acme, "alpha"), ("acme", acme, "beta"), ("acme", acme, "gamma"),
+                                    ("zeta", zeta, "delta"), ("zeta", zeta, "alpha")):
+            entry = pinned_chat(client, docs[doc])
+            blocks = entry["prefix_tokens"] // block
+            fits = held[tenant] + blocks <= share
+            outcomes.append(fits)
+            if fits:
+                assert entry["error"] is None and entry["pinned_tokens"] == blocks * block
+                held[tenant] += blocks
+            else:
+                assert entry["pinned_tokens"] == 0 and "each tenant may pin" in entry["error"]
+                assert "not pinned" in entry["warning"]
+        assert False in outcomes[:3] and outcomes[3:] == [True, True]   # acme stopped, zeta not
+        assert shared_server.in_engine(lambda e: e.stats().blocks_pinned) == held["acme"] + held["zeta"]
+    shared_server.in_engine(lambda e: e.reset_prefix_cache())
+    assert_pool_idle(shared_server)
+
+
+def test_serve_gives_each_tenant_half_the_pinned_share_when_the_keys_name_several():
+    from prefixserve.entrypoints.serve import tenant_pin_share
+    one = KeyTable.single("a-single-key-0001")
+    several = KeyTable({"k-000000000001": Principal("acme", False), "k-000000000002": Principal("zeta", False)})
+    assert tenant_pin_share(0.5, None, several) == 0.25
+    assert tenant_pin_share(0.5, None, one) is None and tenant_pin_share(0.5, None, None) is None
+    assert tenant_pin_share(0.5, 0.1, one) == 0.1 and tenant_pin_share(0.5, 0.4, several) == 0.4

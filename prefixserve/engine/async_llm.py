@@ -290,9 +290,10 @@ class AsyncLLM:
 
     async def pin_prefix(self, token_ids: list[int], *, cache_salt: Optional[str] = None,
                          num_tokens: Optional[int] = None, ttl_s: Optional[float] = None,
-                         shorten: bool = False) -> PinInfo:
+                         shorten: bool = False, tenant: Optional[str] = None) -> PinInfo:
         return await self.run_in_engine(lambda e: e.pin_prefix(
-            token_ids, cache_salt=cache_salt, num_tokens=num_tokens, ttl_s=ttl_s, shorten=shorten))
+            token_ids, cache_salt=cache_salt, num_tokens=num_tokens, ttl_s=ttl_s, shorten=shorten,
+            tenant=tenant))
 
     async def kv_snapshot(self) -> list[bytes]:
         """See LLMEngine.kv_snapshot."""

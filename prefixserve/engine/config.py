@@ -44,6 +44,12 @@ class EngineConfig:
     max_waiting: Optional[int] = None
     # Share of the KV pool that explicit pins may hold, so pins cannot starve live requests.
     max_pinned_fraction: float = 0.5
+    # Share of the KV pool one tenant's pins may hold (CachePin.tenant), so one tenant cannot
+    # take the whole pinned share and refuse every other tenant's pins; None: no share of its own.
+    max_pinned_fraction_per_tenant: Optional[float] = None
+    # Named cached contents one tenant may hold (identical contents share a pin, so the pin cap
+    # alone does not bound them); None: no limit.
+    max_cached_contents_per_tenant: Optional[int] = 1024
     # KV stores beneath the pool, fastest first (docs/kv-stores.md): mem://?size=8GiB,
     # file:///dir?size=100GiB, redis://host:6379/0. A list is taken and kept as a tuple.
     kv_stores: tuple = ()
@@ -70,8 +76,13 @@ class EngineConfig:
         for name in ("kv_cache_memory", "num_kv_blocks", "max_model_len", "max_waiting"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
-        if not isinstance(self.max_pinned_fraction, (int, float)) or not 0 <= self.max_pinned_fraction <= 1:
+        if not _fraction(self.max_pinned_fraction):
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction!r}")
+        if self.max_pinned_fraction_per_tenant is not None and not _fraction(self.max_pinned_fraction_per_tenant):
+            raise ValueError(f"max_pinned_fraction_per_tenant must be None or in [0, 1], "
+                             f"got {self.max_pinned_fraction_per_tenant!r}")
+        if self.max_cached_contents_per_tenant is not None:
+            _positive("max_cached_contents_per_tenant", self.max_cached_contents_per_tenant)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         _check_kv_stores(self)
@@ -89,6 +100,10 @@ def _check_kv_stores(config: EngineConfig) -> None:
     if config.kv_store_write not in KV_STORE_WRITES:
         raise ValueError(f"kv_store_write must be one of {KV_STORE_WRITES}, got {config.kv_store_write!r}")
     _positive("kv_store_queue_bytes", config.kv_store_queue_bytes)
+
+
+def _fraction(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value <= 1
 
 
 def _positive(name: str, value: object) -> None:

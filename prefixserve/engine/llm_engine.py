@@ -22,7 +22,7 @@ from prefixserve.engine.kv_store_bridge import KVStoreBridge
 from prefixserve.engine.outputs import (CachePin, CompletionOutput, EngineInfo, EngineStats, PinInfo,
                                        PinResult, RequestMetrics, RequestOutput)
 from prefixserve.engine.weights_memory import weights_bytes
-from prefixserve.errors import (ConflictError, DuplicateRequestError, InvalidRequestError,
+from prefixserve.errors import (CachedContentLimitError, ConflictError, DuplicateRequestError, InvalidRequestError,
                                 NotFoundError, PinLimitError)
 from prefixserve.kv import KVCacheConfig, KVCacheManager
 from prefixserve.kv.events import KVEventBatch, KVEventLog
@@ -111,6 +111,8 @@ class LLMEngine:
             eviction_policy=config.eviction_policy,
             model_identity=self.loaded.identity,
             max_pinned_blocks=int(num_blocks * config.max_pinned_fraction),
+            max_pinned_blocks_per_tenant=(None if config.max_pinned_fraction_per_tenant is None
+                                          else int(num_blocks * config.max_pinned_fraction_per_tenant)),
         ), clock=clock)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -125,7 +127,8 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._sample_to_group: dict[str, str] = {}
         self._requests_finished = 0
-        self._contents = CachedContentStore()
+        self._contents = CachedContentStore(config.max_cached_contents_per_tenant)
+        self.kv.watch_pin_removals(self._contents.pin_removed)
         self._kv_stores: Optional[KVStoreBridge] = None
         if config.kv_stores:
             self._kv_stores = KVStoreBridge(
@@ -558,25 +561,21 @@ class LLMEngine:
         # request now, so the whole prefix is found in the cache.
         for pin in group.cache_pins:
             try:
-                existed = self._live_pin_ids() if pin.content is not None else set()
+                if pin.content is not None:
+                    # refused before anything is pinned for it, so a refusal never leaves a pin
+                    # (after the expired pins, and with them their contents, have gone)
+                    self.kv.expire_pins()
+                    self._contents.check_new(pin.content)
                 info = self.kv.pin_prefix(group.prompt_token_ids, cache_salt=group.cache_salt,
-                                          num_tokens=pin.num_tokens, ttl_s=pin.ttl_s)
+                                          num_tokens=pin.num_tokens, ttl_s=pin.ttl_s, tenant=pin.tenant)
                 if pin.content is not None and info.pin_id is not None:
-                    self._register_content(pin.content, info.pin_id, info.pin_id not in existed)
-            except (PinLimitError, ConflictError) as exc:
-                group.pin_results.append(PinResult(pin.num_tokens, 0, None, str(exc)))
+                    pin.content.pin_id = info.pin_id
+                    self._contents.add(pin.content)
+            except (PinLimitError, ConflictError, CachedContentLimitError) as exc:
+                group.pin_results.append(PinResult(pin.num_tokens, 0, None, str(exc), error_code=exc.code))
                 continue
             group.pin_results.append(PinResult(pin.num_tokens, info.num_tokens, info.expires_at,
                                                None, info.pin_id))
-
-    def _register_content(self, content: CachedContent, pin_id: str, new_pin: bool) -> None:
-        content.pin_id = pin_id
-        try:
-            self._contents.add(content, self._live_pin_ids())
-        except ConflictError:
-            if new_pin:  # placed for this content alone: it goes with the refused content
-                self.kv.unpin(pin_id)
-            raise
 
     def _advance_text(self, group: _Group, req: Request) -> None:
         sample = group.samples[req.request_id]
@@ -697,12 +696,12 @@ class LLMEngine:
 
     def pin_prefix(self, token_ids: Sequence[int], *, cache_salt: Optional[str] = None,
                    num_tokens: Optional[int] = None, ttl_s: Optional[float] = None,
-                   shorten: bool = False) -> PinInfo:
+                   shorten: bool = False, tenant: Optional[str] = None) -> PinInfo:
         """Pins the cached full blocks of the prompt's first num_tokens tokens for ttl_s seconds
         (refreshing a pin that holds them already; shorten lets the expiry move earlier).
-        Raises PinLimitError beyond the pinned-block cap."""
+        Raises PinLimitError beyond the pinned-block cap, or beyond tenant's share of it."""
         return _public_pin(self.kv.pin_prefix(token_ids, cache_salt=cache_salt, num_tokens=num_tokens,
-                                              ttl_s=ttl_s, shorten=shorten))
+                                              ttl_s=ttl_s, shorten=shorten, tenant=tenant))
 
     def unpin(self, pin_id: str) -> bool:
         """Releases a pin; False if it no longer lives. A pin a cached content holds is released
@@ -715,33 +714,39 @@ class LLMEngine:
     def list_pins(self) -> list[PinInfo]:
         return [_public_pin(p) for p in self.kv.pins()]
 
-    def _live_pin_ids(self) -> set[str]:
-        return {p.pin_id for p in self.kv.pins()}
-
     # ------------------------------------------------------- cached contents
+    # Each call first lets expired pins go, which drops their contents.
+    def _content_pin(self, content: CachedContent) -> PinInfo:
+        return _public_pin(self.kv.pin(content.pin_id))
+
     def cached_contents(self, owner: Optional[str] = None) -> list[tuple[CachedContent, PinInfo]]:
         """The live contents visible to owner, each with its pin."""
-        pins = {p.pin_id: p for p in self.kv.pins()}
-        return [(c, _public_pin(pins[c.pin_id])) for c in self._contents.visible(owner, set(pins))]
+        self.kv.expire_pins()
+        return [(c, self._content_pin(c)) for c in self._contents.visible(owner)]
 
     def find_cached_content(self, key: str, owner: Optional[str] = None,
                             param: str = "cached_content") -> tuple[CachedContent, PinInfo]:
         """The live content named or identified by key in owner's scope; NotFoundError otherwise."""
-        pins = {p.pin_id: p for p in self.kv.pins()}
-        content = self._contents.find(key, owner, set(pins), param=param)
-        return content, _public_pin(pins[content.pin_id])
+        self.kv.expire_pins()
+        content = self._contents.find(key, owner, param=param)
+        return content, self._content_pin(content)
 
     def cached_content_name_taken(self, name: str, owner: Optional[str] = None) -> bool:
-        return self._contents.name_taken(name, owner, self._live_pin_ids())
+        self.kv.expire_pins()
+        return self._contents.name_taken(name, owner)
 
     def repin_cached_content(self, key: str, ttl_s: float, owner: Optional[str] = None,
                              param: str = "key") -> tuple[CachedContent, PinInfo]:
         """Sets a content's expiry to ttl_s from now, shorter as well as longer."""
         content, _ = self.find_cached_content(key, owner, param=param)
         info = self.kv.pin_prefix(content.token_ids, cache_salt=content.cache_salt,
-                                  num_tokens=len(content.token_ids), ttl_s=ttl_s, shorten=True)
+                                  num_tokens=len(content.token_ids), ttl_s=ttl_s, shorten=True,
+                                  tenant=content.tenant)
         if info.pin_id != content.pin_id:
-            # The content's own pin holds these blocks, so the walk finds exactly them again.
+            # The content's own pin holds these blocks, so the walk finds exactly them again
+            # unless that pin expired in between: then the pin just placed holds nothing's.
+            if info.pin_id is not None:
+                self.kv.unpin(info.pin_id)
             raise NotFoundError(f"cached content {key!r} is no longer in the cache", param=param,
                                 code="cached_content_not_found")
         return content, _public_pin(info)

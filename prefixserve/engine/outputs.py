@@ -31,6 +31,8 @@ class CachePin:
     ttl_s: Optional[float] = None  # None: until unpinned
     # Registered under this pin in the same engine call that places it (creation is atomic).
     content: Optional[CachedContent] = None
+    # Whose share of the pinned blocks a new pin counts against (max_pinned_fraction_per_tenant).
+    tenant: Optional[str] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int) or self.num_tokens < 1:
@@ -45,8 +47,9 @@ class PinResult:
     # Block-aligned tokens actually pinned (a partial last block is never cached).
     pinned_tokens: int
     expires_at: Optional[float]
-    error: Optional[str] = None  # set when the pin cap refused it (or a content's name was taken)
+    error: Optional[str] = None  # set when a cap refused it (or a content's name was taken)
     pin_id: Optional[str] = None
+    error_code: Optional[str] = None  # the refusal's code: pin_limit, tenant_pin_limit, name_taken, ...
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from typing import Optional
 
 from prefixserve.engine.config import EngineConfig
 from prefixserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
@@ -12,6 +13,7 @@ from prefixserve.entrypoints.server.config import ServerConfig
 from prefixserve.replicas.args import add_replica_args, run_replicated, wants_replicas
 
 DEFAULT_MAX_WAITING = ServerConfig.max_waiting
+logger = logging.getLogger(__name__)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,6 +34,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-pinned-fraction", type=float, default=EngineConfig.max_pinned_fraction,
                    help="share of the KV pool that cache_control pins and cached contents may "
                         "hold, so pins cannot starve live requests (default: %(default)s)")
+    g.add_argument("--max-pinned-fraction-per-tenant", type=float, default=None,
+                   help="share of the KV pool one tenant's pins may hold, so no tenant can take all "
+                        "of --max-pinned-fraction and have every other tenant's pins refused "
+                        "(default: half of --max-pinned-fraction where --api-keys names two or "
+                        "more tenants, else no share of its own)")
+    g.add_argument("--max-cached-contents-per-tenant", type=int,
+                   default=EngineConfig.max_cached_contents_per_tenant,
+                   help="cached contents (/v1/cached_contents) one tenant may hold at once "
+                        "(default: %(default)s)")
     g.add_argument("--cache-ttl-scale", type=float, default=ServerConfig.cache_ttl_scale,
                    help="multiplies every cache TTL (\"5m\" -> 300 s x scale); for tests and "
                         "experiments (default: %(default)s)")
@@ -78,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
                                  offload_body_bytes=args.offload_body_bytes)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.max_pinned_fraction_per_tenant = tenant_pin_share(args.max_pinned_fraction,
+                                                           args.max_pinned_fraction_per_tenant, keys)
     if wants_replicas(args):
         # Each replica bounds its own queue (429 from there); the front holds no queue.
         return run_replicated(args, engine_config_from_args(
@@ -88,3 +101,14 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(engine, server_config)
     uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=args.log_level)
     return 0
+
+
+def tenant_pin_share(total: float, asked: Optional[float], keys: Optional[KeyTable]) -> Optional[float]:
+    """The share of the pool one tenant's pins may hold: as asked, else half of all pins' share
+    where the keys name several tenants (no one of them can then refuse the others' pins), else
+    none of its own."""
+    if asked is None and keys is not None and len(keys.tenants) > 1:
+        asked = total / 2
+    if asked is not None:
+        logger.info("each tenant's pins may hold %.3g of the KV pool (all pins: %.3g)", asked, total)
+    return asked

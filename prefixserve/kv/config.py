@@ -19,6 +19,8 @@ class KVCacheConfig:
     model_identity: str = ""
     # Cap on distinct pinned blocks; None leaves pins limited only by the pool.
     max_pinned_blocks: Optional[int] = None
+    # Cap on the distinct blocks one tenant's pins hold (kv/pins.py); None: only the cap above.
+    max_pinned_blocks_per_tenant: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size"):
@@ -35,6 +37,7 @@ class KVCacheConfig:
                 f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
         if not isinstance(self.model_identity, str):
             raise ValueError(f"model_identity must be a str, got {self.model_identity!r}")
-        cap = self.max_pinned_blocks
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
-            raise ValueError(f"max_pinned_blocks must be None or an int >= 0, got {cap!r}")
+        for name in ("max_pinned_blocks", "max_pinned_blocks_per_tenant"):
+            cap = getattr(self, name)
+            if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+                raise ValueError(f"{name} must be None or an int >= 0, got {cap!r}")

@@ -47,7 +47,7 @@ class KVCacheManager:
         self.hasher = BlockHasher(config.hash_algo, config.model_identity, hash_fn)
         self._clock = clock
         self._pool = BlockPool(config.num_blocks, make_policy(config.eviction_policy))
-        self._pins = PinRegistry(config.max_pinned_blocks)
+        self._pins = PinRegistry(config.max_pinned_blocks, config.max_pinned_blocks_per_tenant)
         self._requests: dict[str, RequestBlocks] = {}
         self._counters = KVCacheCounters()
         self._extras: dict[tuple[Optional[str], Optional[str]], tuple[bytes, bytes]] = {}
@@ -116,7 +116,7 @@ class KVCacheManager:
             raise ValueError(f"token_ids has {len(token_ids)} entries but num_computed_tokens + "
                              f"num_new_tokens = {end}")
         if self._pins.may_expire:
-            self._expire_pins()
+            self.expire_pins()
         bs = self.block_size
         pool = self._pool
         blocks = pool.blocks
@@ -282,7 +282,7 @@ class KVCacheManager:
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether num_blocks fresh blocks could be handed out now (free + evictable)."""
         if self._pins.may_expire:
-            self._expire_pins()
+            self.expire_pins()
         return self._pool.num_available >= num_blocks
 
     def num_blocks_needed(self, request_id: str, total_tokens: int) -> int:
@@ -351,17 +351,19 @@ class KVCacheManager:
     # -------------------------------------------------------------------- pins
     def pin_prefix(self, token_ids: Sequence[int], *, cache_salt: Optional[str] = None,
                    adapter_key: Optional[str] = None, num_tokens: Optional[int] = None,
-                   ttl_s: Optional[float] = None, shorten: bool = False) -> PinInfo:
+                   ttl_s: Optional[float] = None, shorten: bool = False,
+                   tenant: Optional[str] = None) -> PinInfo:
         """Pins the cached full blocks of token_ids' longest cached prefix (of its first
         num_tokens tokens if given). Nothing cached: returns a PinInfo with pin_id None and no
         blocks, and pins nothing. Pinning a pinned prefix again refreshes its expiry, which only
-        moves later unless shorten is set."""
+        moves later unless shorten is set. A new pin counts against tenant's share
+        (max_pinned_blocks_per_tenant); either cap raises PinLimitError."""
         if num_tokens is not None and (isinstance(num_tokens, bool)
                                        or not isinstance(num_tokens, int) or num_tokens < 0):
             raise ValueError(f"num_tokens must be None or an int >= 0, got {num_tokens!r}")
         if ttl_s is not None and not ttl_s > 0:
             raise ValueError(f"ttl_s must be None or > 0 seconds, got {ttl_s!r}")
-        self._expire_pins()
+        self.expire_pins()
         limit = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
         ids: list[int] = []
         if self.enable_prefix_caching:
@@ -374,12 +376,12 @@ class KVCacheManager:
         pin_id = self._pins.find(key)
         if pin_id is not None:
             return self._pins.refresh(pin_id, expires_at, shorten=shorten)
-        self._pins.check_cap(key)
+        self._pins.check_cap(key, tenant)
         for block_id in ids:
             self._pool.share(block_id)
         if self._pool.observer is not None:
             self._pool.observer.pinned(self._pool.blocks[b].hash for b in ids)
-        return self._pins.add(key, len(ids) * self.block_size, expires_at)
+        return self._pins.add(key, len(ids) * self.block_size, expires_at, tenant)
 
     def unpin(self, pin_id: Optional[str]) -> bool:
         """Releases a pin; returns False (and does nothing) if no such pin lives, e.g. because
@@ -391,10 +393,20 @@ class KVCacheManager:
         return True
 
     def pins(self) -> list[PinInfo]:
-        self._expire_pins()
+        self.expire_pins()
         return self._pins.infos()
 
-    def _expire_pins(self) -> None:
+    def pin(self, pin_id: str) -> Optional[PinInfo]:
+        """The live pin of this id (None once it is unpinned, expired or reset)."""
+        self.expire_pins()
+        return self._pins.info(pin_id)
+
+    def watch_pin_removals(self, callback: Optional[Callable[[str], None]]) -> None:
+        """callback(pin_id) runs whenever a pin goes: unpinned, expired or dropped by a reset."""
+        self._pins.on_remove = callback
+
+    def expire_pins(self) -> None:
+        """Lets the pins whose time has come go (each call that reads pins does this first)."""
         if self._pins.may_expire:
             for released in self._pins.pop_expired(self._clock()):
                 self._pool.release(reversed(released))
@@ -408,7 +420,7 @@ class KVCacheManager:
         return self._pool.reset()
 
     def stats(self) -> KVCacheStats:
-        self._expire_pins()
+        self.expire_pins()
         pool, c = self._pool, self._counters
         return KVCacheStats(
             num_blocks=pool.num_blocks,

@@ -59,6 +59,10 @@ class KeyTable:
     def __len__(self) -> int:
         return len(self._by_digest)
 
+    @property
+    def tenants(self) -> frozenset[str]:
+        return frozenset(p.tenant for p in self._by_digest.values())
+
     @classmethod
     def single(cls, key: str) -> KeyTable:
         _check_key(key, "--api-key")

@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prefixserve.errors import (CapacityError, ConflictError, DuplicateRequestError, EngineDeadError,
+from prefixserve.errors import (CachedContentLimitError, CapacityError, ConflictError, DuplicateRequestError, EngineDeadError,
                                 EngineError, InvalidRequestError, NotFoundError, PinLimitError,
                                 PrefixServeError, QueueFullError, RequestAbortedError)
 
@@ -34,6 +34,7 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 _STATUS: tuple[tuple[type[PrefixServeError], int, str], ...] = (
     (QueueFullError, 429, "rate_limit_exceeded"),
     (PinLimitError, 409, "invalid_request_error"),
+    (CachedContentLimitError, 409, "invalid_request_error"),
     (CapacityError, 503, "server_error"),
     (DuplicateRequestError, 409, "invalid_request_error"),
     (InvalidRequestError, 400, "invalid_request_error"),

@@ -24,7 +24,7 @@ from prefixserve.entrypoints.server.errors import APIError, api_error
 from prefixserve.errors import InvalidRequestError
 from prefixserve.entrypoints.server.streaming import EventStream, Generation, named_event, submit
 from prefixserve.entrypoints.server.prompting.prompts import PreparedPrompt, prepare_prompt
-from prefixserve.entrypoints.server.state import ServerState, get_state, new_id
+from prefixserve.entrypoints.server.state import ServerState, get_state, new_id, principal
 from prefixserve.entrypoints.server.prompting.pins import unix_time, warning_headers
 from prefixserve.entrypoints.server.usage import CacheUsage
 from prefixserve.sampling_params import SamplingParams
@@ -38,7 +38,8 @@ async def create_message(parsed: Annotated[ParsedChat, Depends(chat_body("messag
     ask = diagnose_ask(body)
     tools = message_tools(body, state.async_llm.tokenizer)
     prompt = await prepare_prompt(state, parsed.source, cached_content=body.cached_content,
-                                  cache_salt=salt, with_spans=ask is not None)
+                                  cache_salt=salt, tenant=principal(request).tenant,
+                                  with_spans=ask is not None)
     try:
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,

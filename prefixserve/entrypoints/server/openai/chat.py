@@ -23,7 +23,7 @@ from prefixserve.entrypoints.server.openai.protocol import (AssistantMessage, Ch
                                                      ChatCompletionChunk, ChatCompletionRequest,
                                                      ChatCompletionResponse, ChatLogprobs,
                                                      DeltaMessage, TokenLogprob, TopLogprob)
-from prefixserve.entrypoints.server.state import ServerState, get_state, new_id, token_text
+from prefixserve.entrypoints.server.state import ServerState, get_state, new_id, principal, token_text
 from prefixserve.entrypoints.server.prompting.pins import unix_time, warning_headers
 
 
@@ -40,6 +40,7 @@ async def create_chat_completion(parsed: Annotated[ParsedChat, Depends(chat_body
     ask = diagnose_ask(body)
     tools = ChatTools.of(body, state.async_llm.tokenizer)
     prompt = await prepare_prompt(state, parsed.source, cached_content=body.cached_content, cache_salt=salt,
+                                  tenant=principal(request).tenant,
                                   add_generation_prompt=body.add_generation_prompt,
                                   template_kwargs=_template_kwargs(body), with_spans=ask is not None)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \

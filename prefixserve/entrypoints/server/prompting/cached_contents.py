@@ -30,7 +30,7 @@ from prefixserve.entrypoints.server.prompting.bodies import json_body
 from prefixserve.entrypoints.server.prompting.conversations import conversation_of
 from prefixserve.entrypoints.server.prompting.pins import unix_time
 from prefixserve.entrypoints.server.prompting.prompts import render_or_400
-from prefixserve.entrypoints.server.state import get_state, new_id
+from prefixserve.entrypoints.server.state import get_state, new_id, principal
 from prefixserve.entrypoints.server.streaming import submit
 from prefixserve.prompt import Conversation
 from prefixserve.sampling_params import SamplingParams
@@ -110,18 +110,22 @@ async def create_cached_content(body: Annotated[CachedContentCreate, Depends(jso
     if body.name is not None and await state.async_llm.cached_content_name_taken(body.name, namespace):
         raise APIError(409, f"a cached content named {body.name!r} already exists", param="name",
                        code="name_taken")
+    tenant = principal(request).tenant
     content = CachedContent(new_id("cc"), body.name, token_ids, namespace, int(time.time()),
-                            payload=ContentPayload(state.model_name, conversation), owner=namespace)
+                            payload=ContentPayload(state.model_name, conversation), owner=namespace,
+                            tenant=tenant)
     gen = await submit(state.async_llm, state.config, state.metrics, new_id("cc-prefill"),
                        [token_ids], SamplingParams(temperature=0.0, max_tokens=1),
                        cache_salt=namespace, priority=0, param="messages",
-                       cache_pins=[CachePin(len(token_ids), ttl_s, content=content)])
+                       cache_pins=[CachePin(len(token_ids), ttl_s, content=content, tenant=tenant)])
     (output,) = await gen.final_outputs(request)
     result = output.pins[0] if output.pins else None
-    if result is None or result.error is not None or result.pin_id is None:
-        reason = result.error if result and result.error else "prefix caching is off"
-        raise APIError(409, f"the cached content could not be pinned: {reason}",
-                       code="pin_limit" if result and result.error else "not_cacheable")
+    if result is not None and result.error is not None:
+        raise APIError(409, f"the cached content was not created: {result.error}",
+                       param="name" if result.error_code == "name_taken" else None, code=result.error_code)
+    if result is None or result.pin_id is None:
+        raise APIError(409, "the cached content could not be pinned: prefix caching is off",
+                       code="not_cacheable")
     pin = PinInfo(result.pin_id, result.pinned_tokens, result.expires_at)
     return JSONResponse(describe(content, pin, unix_time(state.async_llm.now)))
 

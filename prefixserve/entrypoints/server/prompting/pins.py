@@ -20,11 +20,13 @@ class PinPlan:
     breakpoints: list[Breakpoint]
     ttl_scale: float
     cached_content: Optional[str] = None
+    tenant: Optional[str] = None   # whose share of the pinned blocks the pins count against
 
     @property
     def pins(self) -> list[CachePin]:
         # A breakpoint before the first token (nothing precedes it) pins nothing.
-        return [CachePin(b.num_tokens, self._ttl_s(b)) for b in self.breakpoints if b.num_tokens > 0]
+        return [CachePin(b.num_tokens, self._ttl_s(b), tenant=self.tenant)
+                for b in self.breakpoints if b.num_tokens > 0]
 
     def _ttl_s(self, b: Breakpoint) -> float:
         return TTL_SECONDS[b.ttl] * self.ttl_scale

@@ -31,10 +31,12 @@ class PreparedPrompt:
 
 async def prepare_prompt(state: ServerState, source: ConversationSource, *,
                          cached_content: Optional[str], cache_salt: Optional[str],
-                         add_generation_prompt: bool = True,
+                         tenant: Optional[str] = None, add_generation_prompt: bool = True,
                          template_kwargs: Optional[dict[str, Any]] = None,
                          with_spans: bool = False) -> PreparedPrompt:
-    """with_spans: also locate every part's token span (for a diagnosis)."""
+    """cache_salt: the request's namespace; tenant: whose share of the pinned blocks its
+    cache_control pins count against. with_spans: also locate every part's token span (for a
+    diagnosis)."""
     content = None
     if cached_content is not None:
         # looked up in the request's own namespace: another tenant's (or salt's) content is not there
@@ -51,7 +53,7 @@ async def prepare_prompt(state: ServerState, source: ConversationSource, *,
     # an agent loop's earlier turns keep the tokens the model generated (turn_memory.py)
     rendered = state.turns.splice(cache_salt, rendered, state.async_llm.tokenizer)
     plan = PinPlan(rendered.breakpoints, state.config.cache_ttl_scale,
-                   content.id if content is not None else None)
+                   content.id if content is not None else None, tenant)
     return PreparedPrompt(rendered, plan, cache_salt)
 
 
