@@ -1,5 +1,5 @@
 # One command to set up and run the demo, one to set up and run the tests.
-# Both create .venv on first use; torch is pinned to the 2.13.0 CPU wheel.
+# Both create .venv on first use; torch is pinned to 2.13.0 (README: which build pip takes).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -27,9 +27,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     block_size: int = 16
-    # How the KV pool holds K/V (model/kv_layout.py). auto: panels where the native bfloat16 attention
-    # tiles read them (a bfloat16 pool on a CPU with avx512_bf16, blocks and head dims of whole
-    # 16-element panels), rows elsewhere.
+    # How the KV pool holds K/V (model/kv_layout.py). auto: panels where the native attention tiles
+    # read them (a bfloat16 pool on a CPU with avx512_bf16, a float32 one on AVX-512; blocks and head
+    # dims of whole 16-element panels), rows elsewhere.
     kv_layout: str = "auto"
     enable_prefix_caching: bool = True
     hash_algo: str = "xxh3_64"

@@ -24,9 +24,9 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str) -> None
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-layout", default="auto", choices=("auto", "rows", "panels"),
-                   help="how the KV pool holds K/V: panels where the native bfloat16 attention tiles read them "
-                        "in place (a bfloat16 model on a CPU with avx512_bf16), rows elsewhere (default: "
-                        "%(default)s)")
+                   help="how the KV pool holds K/V: panels where the native attention tiles read them in "
+                        "place (a bfloat16 model on a CPU with avx512_bf16, a float32 model on one with AVX-512; "
+                        "block size and head dim multiples of 16), rows elsewhere (default: %(default)s)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--hash-algo", default="xxh3_64", choices=("xxh3_64", "xxh3_128", "sha256"))
     g.add_argument("--eviction-policy", default="lru", choices=("lru", "lfu", "priority"))
