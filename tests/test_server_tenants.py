@@ -24,7 +24,8 @@ from prefixserve.entrypoints.server.config import ServerConfig
 MODEL = "random:qwen3-tiny"
 ENGINE = dict(model=MODEL, seed=0, block_size=16, num_kv_blocks=512, max_model_len=2048, max_num_seqs=32)
 KEYS = {"key-of-acme-0001": "acme", "key-of-zeta-0002": "zeta", "key-of-beta-0004": "beta",
-        "key-of-root-0003": {"tenant": "ops", "admin": True}}
+        "key-of-root-0003": {"tenant": "ops", "admin": True},
+        "key-of-batch-0005": {"tenant": "batch", "max_priority": 10}}
 SECRET = ("ACME internal playbook: the launch code is 7 4 1 9, the partner is Globex, and the price "
           "floor is forty two. ") * 4
 
@@ -234,3 +235,34 @@ def test_serve_gives_each_tenant_half_the_pinned_share_when_the_keys_name_severa
     assert tenant_pin_share(0.5, None, several) == 0.25
     assert tenant_pin_share(0.5, None, one) is None and tenant_pin_share(0.5, None, None) is None
     assert tenant_pin_share(0.5, 0.1, one) == 0.1 and tenant_pin_share(0.5, 0.4, several) == 0.4
+
+
+def test_a_tenant_key_may_not_ask_for_a_priority_above_its_limit(server):
+    # Under the priority policies a higher priority runs first, preempts others and keeps its
+    # blocks cached longest: a tenant's key may not raise it past max_priority (0 by default).
+    def ask(key, priority, path="/v1/chat/completions"):
+        body = {"model": MODEL, "max_tokens": 1, "priority": priority,
+                "messages": [{"role": "user", "content": "hi"}]}
+        if path == "/v1/completions":
+            body = {"model": MODEL, "max_tokens": 1, "priority": priority, "prompt": "hi"}
+        with http(server, key) as client:
+            return client.post(path, json=body)
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
+        refused = ask("key-of-acme-0001", 1, path)
+        error = refused.json()["error"]
+        assert refused.status_code == 403 and error["type"] == "permission_error", path
+        assert error.get("param", "priority") == "priority" and "priority" in error["message"]
+        assert ask("key-of-acme-0001", 0, path).status_code == 200
+    assert ask("key-of-acme-0001", -7).status_code == 200
+    assert ask("key-of-root-0003", 10**6).status_code == 200          # an admin key: any
+    assert ask("key-of-batch-0005", 10).status_code == 200
+    assert ask("key-of-batch-0005", 11).status_code == 403
+    assert_pool_idle(server)
+
+
+@pytest.mark.parametrize("bad", ["high", True, 1.5])
+def test_a_keys_file_with_a_max_priority_that_is_not_an_integer_is_refused(tmp_path, bad):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"key-of-acme-0001": {"tenant": "acme", "max_priority": bad}}))
+    with pytest.raises(ValueError, match="max_priority"):
+        KeyTable.from_file(path)

@@ -53,7 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="JSON file of API keys, each naming its tenant: {\"KEY\": \"tenant\", "
                         "\"KEY2\": {\"tenant\": \"ops\", \"admin\": true}}; tenants never share "
                         "cached prefixes, cached contents or diagnoses; admin keys may reset the "
-                        "cache and read /metrics")
+                        "cache and read /metrics; a tenant's key may ask for a priority up to its "
+                        "\"max_priority\" (default 0; admin keys: any)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="run chat templates sent by clients (in the render process, under a time "
                         "and memory limit); refused by default")

@@ -10,8 +10,14 @@ Routes that act on the whole server (`/reset_prefix_cache`, `/metrics`) need an 
 Without keys everyone is one anonymous tenant, as before, and the namespace is the salt the
 request sends (the server says so at start).
 
-Keys file (JSON): {"KEY": "tenant", "KEY2": {"tenant": "ops", "admin": true}, ...}. Keys are
-kept only as SHA-256 digests and compared in constant time.
+A request's `priority` (scheduling and eviction under the priority policies) may not exceed its
+key's `max_priority`: 0 for a tenant's key unless the keys file says otherwise, no limit for an
+admin key or without keys. Otherwise any tenant could put its requests ahead of every other
+tenant's, preempting them, and keep its blocks cached longest.
+
+Keys file (JSON): {"KEY": "tenant", "KEY2": {"tenant": "ops", "admin": true},
+"KEY3": {"tenant": "batch", "max_priority": 10}, ...}. Keys are kept only as SHA-256 digests
+and compared in constant time.
 """
 from __future__ import annotations
 
@@ -31,9 +37,11 @@ MAX_TENANT_NAME = 128
 
 @dataclass(frozen=True)
 class Principal:
-    """Who sent a request: its tenant (None without keys) and whether it may act on the whole server."""
+    """Who sent a request: its tenant (None without keys), whether it may act on the whole server,
+    and the highest priority its requests may ask for (None: any)."""
     tenant: Optional[str]
     admin: bool
+    max_priority: Optional[int] = None
 
 
 ANONYMOUS = Principal(None, admin=True)
@@ -81,14 +89,17 @@ class KeyTable:
             _check_key(key, f"a key in {path}")
             if isinstance(entry, str):
                 entry = {"tenant": entry}
-            if not isinstance(entry, dict) or set(entry) - {"tenant", "admin"}:
-                raise ValueError(f"{path}: each key maps to a tenant name or "
-                                 "{\"tenant\": NAME, \"admin\": true|false}")
+            if not isinstance(entry, dict) or set(entry) - {"tenant", "admin", "max_priority"}:
+                raise ValueError(f"{path}: each key maps to a tenant name or {{\"tenant\": NAME, "
+                                 "\"admin\": true|false, \"max_priority\": INT}")
             tenant, admin = entry.get("tenant"), entry.get("admin", False)
             if not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_TENANT_NAME or not isinstance(admin, bool):
                 raise ValueError(f"{path}: tenant names are strings of 1-{MAX_TENANT_NAME} characters "
                                  "and admin is true or false")
-            keys[key] = Principal(tenant, admin)
+            max_priority = entry.get("max_priority", None if admin else 0)
+            if max_priority is not None and (isinstance(max_priority, bool) or not isinstance(max_priority, int)):
+                raise ValueError(f"{path}: max_priority is an integer (or null: any)")
+            keys[key] = Principal(tenant, admin, max_priority)
         return cls(keys)
 
     def lookup(self, key: Optional[str]) -> Optional[Principal]:

@@ -43,6 +43,14 @@ class ServerState:
                                 f"{self.model_name!r}", type="invalid_request_error",
                            param="model", code="model_not_found")
 
+    def priority(self, request: Request, priority: int) -> int:
+        """The request's priority, if its key may ask for it (auth.py): 403 above max_priority."""
+        limit = principal(request).max_priority
+        if limit is not None and priority > limit:
+            raise APIError(403, f"priority {priority} is above {limit}, the highest this API key may ask for",
+                           type="permission_error", param="priority", code="priority_not_allowed")
+        return priority
+
     def namespace(self, request: Request, cache_salt: Optional[str]) -> Optional[str]:
         """The cache salt the engine sees for this request: the caller's tenant namespace,
         subdivided by the salt the request sends (auth.py)."""

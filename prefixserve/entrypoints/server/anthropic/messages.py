@@ -35,6 +35,7 @@ async def create_message(parsed: Annotated[ParsedChat, Depends(chat_body("messag
     state = get_state(request)
     state.check_model(body.model)
     salt = state.namespace(request, body.cache_salt)
+    priority = state.priority(request, body.priority)
     ask = diagnose_ask(body)
     tools = message_tools(body, state.async_llm.tokenizer)
     prompt = await prepare_prompt(state, parsed.source, cached_content=body.cached_content,
@@ -53,7 +54,7 @@ async def create_message(parsed: Annotated[ParsedChat, Depends(chat_body("messag
                          prompt.rendered.spans)
     gen = await submit(state.async_llm, state.config, state.metrics, new_id("msg"),
                        [prompt.token_ids], params, cache_salt=prompt.cache_salt,
-                       priority=body.priority, param="messages", cache_pins=prompt.plan.pins)
+                       priority=priority, param="messages", cache_pins=prompt.plan.pins)
     if body.stream:
         first, rest = await gen.first_output(request)
         headers = warning_headers(prompt.plan.warnings(first))

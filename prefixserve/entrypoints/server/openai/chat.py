@@ -33,6 +33,7 @@ async def create_chat_completion(parsed: Annotated[ParsedChat, Depends(chat_body
     state = get_state(request)
     state.check_model(body.model)
     salt = state.namespace(request, body.cache_salt)
+    priority = state.priority(request, body.priority)
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias", code="unsupported")
     if body.top_logprobs is not None and not body.logprobs:
@@ -54,7 +55,7 @@ async def create_chat_completion(parsed: Annotated[ParsedChat, Depends(chat_body
                          prompt.rendered.spans)
     gen = await submit(state.async_llm, state.config, state.metrics, new_id("chatcmpl"),
                        [prompt.token_ids], params, cache_salt=prompt.cache_salt,
-                       priority=body.priority, param="messages", cache_pins=prompt.plan.pins)
+                       priority=priority, param="messages", cache_pins=prompt.plan.pins)
     created = int(time.time())
     if body.stream:
         return EventStream(_stream(state, gen, body, created, prompt, live, tools), on_close=gen.abort)

@@ -27,6 +27,7 @@ async def create_completion(body: Annotated[CompletionRequest, Depends(json_body
     state = get_state(request)
     state.check_model(body.model)
     salt = state.namespace(request, body.cache_salt)
+    priority = state.priority(request, body.priority)
     _reject_unsupported(body)
     live = LiveDiagnosis(state.explainer, diagnose_ask(body), salt)
     prompts = await _prompt_token_ids(state, body.prompt)
@@ -38,7 +39,7 @@ async def create_completion(body: Annotated[CompletionRequest, Depends(json_body
     except InvalidRequestError as exc:
         raise api_error(exc) from None
     gen = await submit(state.async_llm, state.config, state.metrics, new_id("cmpl"), prompts, params,
-                       cache_salt=salt, priority=body.priority, param="prompt")
+                       cache_salt=salt, priority=priority, param="prompt")
     created = int(time.time())
     if body.stream:
         return EventStream(_stream(state, gen, body, created, live), on_close=gen.abort)
