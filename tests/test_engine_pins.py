@@ -187,3 +187,23 @@ def test_a_tenant_at_its_maximum_of_contents_is_refused_before_anything_is_pinne
     engine.reset_prefix_cache()
     assert engine.cached_contents("acme") == [] and engine.stats().blocks_pinned == 0
     engine.kv.check_integrity()
+
+
+def test_listing_contents_reads_their_pins_as_of_one_moment():
+    # A pin expiring between reading the contents and reading their pins must not break the
+    # listing: it sees the moment it expired pins at, and the next call sees the pin gone.
+    class Scripted(FakeClock):
+        reads: list = []
+
+        def __call__(self) -> float:
+            return self.reads.pop(0) if self.reads else self.now
+
+    rng = random.Random(7)
+    doc = [rng.randrange(10, 4000) for _ in range(64)]
+    clock = Scripted()
+    engine = make_engine(clock)
+    create(engine, "cc-1", doc, ttl_s=10.0)
+    expires = clock.now + 10.0
+    clock.reads, clock.now = [expires - 0.5], expires + 0.5   # expires right after the first read
+    assert [(c.id, p.expires_at) for c, p in engine.cached_contents()] == [("cc-1", expires)]
+    assert engine.cached_contents() == [] and engine.stats().blocks_pinned == 0

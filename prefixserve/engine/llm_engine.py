@@ -715,7 +715,8 @@ class LLMEngine:
         return [_public_pin(p) for p in self.kv.pins()]
 
     # ------------------------------------------------------- cached contents
-    # Each call first lets expired pins go, which drops their contents.
+    # Each call first lets expired pins go, which drops their contents, then reads the pins of
+    # the contents left (none can expire in between).
     def _content_pin(self, content: CachedContent) -> PinInfo:
         return _public_pin(self.kv.pin(content.pin_id))
 

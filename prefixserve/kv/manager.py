@@ -397,8 +397,8 @@ class KVCacheManager:
         return self._pins.infos()
 
     def pin(self, pin_id: str) -> Optional[PinInfo]:
-        """The live pin of this id (None once it is unpinned, expired or reset)."""
-        self.expire_pins()
+        """The pin of this id (None once it is unpinned, expired or reset), as of the last
+        expire_pins(): a caller reading several pins expires once first, so none goes between reads."""
         return self._pins.info(pin_id)
 
     def watch_pin_removals(self, callback: Optional[Callable[[str], None]]) -> None:
