@@ -49,7 +49,7 @@ class TurnMemory:
         for c in output.outputs:
             if c.finish_reason != "stop" or not c.token_ids or c.token_ids[-1] not in tokenizer.eos_token_ids:
                 continue
-            ids = array("l", prompt_ids)
+            ids = array("i", prompt_ids)   # 4 bytes an id (vocabularies are far below 2**31)
             ids.extend(c.token_ids[:-1])
             if len(ids) > self.max_tokens:
                 continue
