@@ -100,3 +100,23 @@ def test_memory_is_bounded_in_turns_and_tokens():
     assert small.splice("t", rendered(NEXT), TOK).token_ids == TOK.encode(NEXT)      # too long to keep
     with pytest.raises(ValueError):
         TurnMemory(max_turns=-1)
+
+
+def test_a_tenant_flooding_the_memory_evicts_its_own_turns_not_another_tenants():
+    # When full, the tenant holding the most gives up its least recently used turn, so a flood
+    # by one tenant cannot push out the few turns of another (the old single LRU did).
+    memory = TurnMemory(max_turns=8, max_tokens=10_000)
+    prompt_ids = TOK.encode(PROMPT)
+    reply_ids = odd_tokens(REPLY) + [EOT]
+    memory.remember("zeta-ns", PROMPT, prompt_ids, output(reply_ids), TOK, tenant="zeta")
+    for i in range(100):   # acme: 100 distinct turns, far past the 8 the memory holds
+        text = f"<|im_start|>user\nFlood {i}?<|im_end|>\n<|im_start|>assistant\n"
+        memory.remember(f"acme-{i % 3}", text, TOK.encode(text), output(odd_tokens(REPLY) + [EOT]), TOK,
+                        tenant="acme")
+    assert memory.splice("zeta-ns", rendered(NEXT), TOK).token_ids != TOK.encode(NEXT)   # still spliced
+    last = "<|im_start|>user\nFlood 99?<|im_end|>\n<|im_start|>assistant\n"
+    assert memory.splice("acme-0", rendered(last + REPLY + "<|im_end|>\n"), TOK).token_ids != \
+        TOK.encode(last + REPLY + "<|im_end|>\n")                 # acme keeps its newest turns
+    first = "<|im_start|>user\nFlood 0?<|im_end|>\n<|im_start|>assistant\n"
+    assert memory.splice("acme-0", rendered(first + REPLY + "<|im_end|>\n"), TOK).token_ids == \
+        TOK.encode(first + REPLY + "<|im_end|>\n")                # and gave up its oldest

@@ -62,7 +62,7 @@ async def create_message(parsed: Annotated[ParsedChat, Depends(chat_body("messag
                            on_close=gen.abort, headers=headers)
     (output,) = await gen.final_outputs(request)
     state.turns.remember(prompt.cache_salt, prompt.rendered.text, prompt.token_ids, output,
-                         state.async_llm.tokenizer)
+                         state.async_llm.tokenizer, prompt.tenant)
     completion = output.outputs[0]
     stop_reason, stop_sequence = _stop(completion)
     message = _message(state, gen, prompt, output, live)
@@ -118,7 +118,7 @@ async def _events(state: ServerState, gen: Generation, prompt: PreparedPrompt,
         yield exc.anthropic_sse()
         return
     state.turns.remember(prompt.cache_salt, prompt.rendered.text, prompt.token_ids, last,
-                         state.async_llm.tokenizer)
+                         state.async_llm.tokenizer, prompt.tenant)
     completion = last.outputs[0]
     stop_reason, stop_sequence = _stop(completion)
     stop_reason = stop_reason_of(stop_reason, blocks.called)

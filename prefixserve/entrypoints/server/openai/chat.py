@@ -61,7 +61,7 @@ async def create_chat_completion(parsed: Annotated[ParsedChat, Depends(chat_body
         return EventStream(_stream(state, gen, body, created, prompt, live, tools), on_close=gen.abort)
     (output,) = await gen.final_outputs(request)
     state.turns.remember(prompt.cache_salt, prompt.rendered.text, prompt.token_ids, output,
-                         state.async_llm.tokenizer)
+                         state.async_llm.tokenizer, prompt.tenant)
     choices = []
     for c in output.outputs:
         content, calls = tools.reply(c.text)
@@ -143,7 +143,7 @@ async def _stream(state: ServerState, gen: Generation, body: ChatCompletionReque
                     done.add(c.index)
             if out.finished:
                 state.turns.remember(prompt.cache_salt, prompt.rendered.text, prompt.token_ids, out,
-                                     state.async_llm.tokenizer)
+                                     state.async_llm.tokenizer, prompt.tenant)
                 diagnosis = live.finish(gen.request_ids[0], out)
                 if not body.include_usage_in_stream and diagnosis is not None:
                     # No usage chunk follows: the last content chunk carries the extension.

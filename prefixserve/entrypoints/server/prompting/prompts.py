@@ -28,6 +28,10 @@ class PreparedPrompt:
     def token_ids(self) -> list[int]:
         return self.rendered.token_ids
 
+    @property
+    def tenant(self) -> Optional[str]:
+        return self.plan.tenant
+
 
 async def prepare_prompt(state: ServerState, source: ConversationSource, *,
                          cached_content: Optional[str], cache_salt: Optional[str],

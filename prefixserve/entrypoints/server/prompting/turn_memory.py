@@ -11,7 +11,9 @@ before an end-of-turn token, those ids replace the prefix's re-tokenization. The
 token itself stays the template's: a model may end on another stop token (`<|endoftext|>` where
 the template writes `<|im_end|>`), and its K/V was never computed anyway. The text is unchanged (the stored ids
 decode to exactly the hashed text), so only the tokenization, and with it the cache hit,
-changes; the namespace in the key keeps tenants from ever seeing each other's entries.
+changes; the namespace in the key keeps tenants from ever seeing each other's entries, and a
+full memory evicts from the tenant holding the most, so one tenant's flood cannot push out
+another's turns.
 
 Breakpoints (cache_control) after the replaced prefix move with it; a request with a breakpoint
 inside the replaced output, or asking for a diagnosis (its spans are token-indexed), keeps its
@@ -34,9 +36,14 @@ MAX_TOKENS = 4_000_000  # ~16 MB of token ids
 
 @dataclass
 class TurnMemory:
+    """Bounded in turns and tokens. When full, the tenant holding the most (turns, or tokens when
+    those are over) gives up its least recently used turn: a tenant flooding the memory evicts
+    its own turns, never the last ones of a tenant that holds fewer."""
     max_turns: int = MAX_TURNS
     max_tokens: int = MAX_TOKENS
-    _turns: OrderedDict = field(default_factory=OrderedDict)  # (namespace, digest) -> array
+    _turns: dict = field(default_factory=dict)   # (namespace, digest) -> (array of ids, tenant)
+    _lru: dict = field(default_factory=dict)     # tenant -> OrderedDict of its keys, oldest first
+    _tokens_of: dict = field(default_factory=dict)
     _tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -44,8 +51,8 @@ class TurnMemory:
             raise ValueError("max_turns and max_tokens must be >= 0")
 
     def remember(self, namespace: Optional[str], prompt_text: str, prompt_ids: Sequence[int],
-                 output: RequestOutput, tokenizer) -> None:
-        """Records each sample that ended on an end-of-turn token."""
+                 output: RequestOutput, tokenizer, tenant: Optional[str] = None) -> None:
+        """Records each sample that ended on an end-of-turn token, as tenant's."""
         for c in output.outputs:
             if c.finish_reason != "stop" or not c.token_ids or c.token_ids[-1] not in tokenizer.eos_token_ids:
                 continue
@@ -55,12 +62,29 @@ class TurnMemory:
                 continue
             text = prompt_text + tokenizer.decode(c.token_ids[:-1], skip_special_tokens=False)
             key = (namespace, _digest(text))
-            old = self._turns.pop(key, None)
-            self._tokens += len(ids) - (len(old) if old is not None else 0)
-            self._turns[key] = ids
-            while self._turns and (len(self._turns) > self.max_turns or self._tokens > self.max_tokens):
-                _, dropped = self._turns.popitem(last=False)
-                self._tokens -= len(dropped)
+            self._drop(key)
+            self._turns[key] = (ids, tenant)
+            self._lru.setdefault(tenant, OrderedDict())[key] = None
+            self._tokens_of[tenant] = self._tokens_of.get(tenant, 0) + len(ids)
+            self._tokens += len(ids)
+            while len(self._turns) > self.max_turns or self._tokens > self.max_tokens:
+                if len(self._turns) > self.max_turns:
+                    victim = max(self._lru, key=lambda t: len(self._lru[t]))
+                else:
+                    victim = max(self._tokens_of, key=self._tokens_of.__getitem__)
+                self._drop(next(iter(self._lru[victim])))
+
+    def _drop(self, key: tuple) -> None:
+        entry = self._turns.pop(key, None)
+        if entry is None:
+            return
+        ids, tenant = entry
+        lru = self._lru[tenant]
+        del lru[key]
+        self._tokens -= len(ids)
+        self._tokens_of[tenant] -= len(ids)
+        if not lru:
+            del self._lru[tenant], self._tokens_of[tenant]
 
     def splice(self, namespace: Optional[str], rendered: RenderedChat, tokenizer) -> RenderedChat:
         """`rendered` with the longest remembered turn its text starts with in its own tokens."""
@@ -87,13 +111,13 @@ class TurnMemory:
             hasher.update(text[done:start].encode("utf-8", "surrogatepass"))
             done = start
             key = (namespace, hasher.copy().hexdigest())
-            stored = self._turns.get(key)
-            if stored is not None:
-                hit = (index, stored, key)
+            entry = self._turns.get(key)
+            if entry is not None:
+                hit = (index, entry, key)
         if hit is None:
             return None
-        k, stored, key = hit
-        self._turns.move_to_end(key)
+        k, (stored, tenant), key = hit
+        self._lru[tenant].move_to_end(key)
         first_diff = next((i for i, (a, b) in enumerate(zip(stored, token_ids)) if a != b), min(len(stored), k))
         if first_diff >= k:
             return None  # already the same tokens
