@@ -11,6 +11,7 @@ pin goes (expired, or dropped by a cache reset) the manager says so and its cont
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -50,13 +51,13 @@ class CachedContentStore:
         self._scopes: dict[Optional[str], dict[str, CachedContent]] = {}   # owner -> id -> content
         self._names: dict[tuple[Optional[str], str], str] = {}             # (owner, name) -> id
         self._by_pin: dict[str, set[str]] = {}
-        self._per_tenant: dict[Optional[str], int] = {}
+        self._per_tenant: Counter = Counter()
 
     def __len__(self) -> int:
         return len(self._by_id)
 
     def count(self, tenant: Optional[str]) -> int:
-        return self._per_tenant.get(tenant, 0)
+        return self._per_tenant[tenant]
 
     def check_new(self, content: CachedContent) -> None:
         """Whether content may be added: ConflictError when its name is live in its owner's
@@ -80,7 +81,7 @@ class CachedContentStore:
         if content.name is not None:
             self._names[(content.owner, content.name)] = content.id
         self._by_pin.setdefault(content.pin_id, set()).add(content.id)
-        self._per_tenant[content.tenant] = self.count(content.tenant) + 1
+        self._per_tenant[content.tenant] += 1
 
     def name_taken(self, name: str, owner: Optional[str]) -> bool:
         """A live content of this owner has this name (or id)."""
@@ -112,10 +113,8 @@ class CachedContentStore:
             del self._scopes[content.owner]
         if content.name is not None:
             del self._names[(content.owner, content.name)]
-        left = self._per_tenant[content.tenant] - 1
-        if left:
-            self._per_tenant[content.tenant] = left
-        else:
+        self._per_tenant[content.tenant] -= 1
+        if not self._per_tenant[content.tenant]:
             del self._per_tenant[content.tenant]
         sharing = self._by_pin[content.pin_id]
         sharing.discard(content.id)
