@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 from prefixserve.entrypoints.server.anthropic.tool_stream import BlockStream
 from prefixserve.entrypoints.server.anthropic.tools import reply
-from prefixserve.entrypoints.server.openai.tool_calls import ChatTools
+from prefixserve.entrypoints.server.tools import ChatTools
 from prefixserve.errors import InvalidRequestError
 from prefixserve.structured.grammar import GrammarCompiler
 from prefixserve.tokenizer import load_tokenizer

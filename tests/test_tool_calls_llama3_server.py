@@ -77,7 +77,7 @@ def streamed_calls(client, **kwargs) -> tuple[dict[int, dict], str, str, int]:
 
 
 def test_the_template_teaches_the_llama3_format(server):
-    from prefixserve.entrypoints.server.openai.tool_calls import tool_format
+    from prefixserve.entrypoints.server.tools import tool_format
     assert tool_format(server.async_llm.tokenizer) == "llama3"
 
 

@@ -19,7 +19,7 @@ from prefixserve.entrypoints.server.app import build_app
 from prefixserve.entrypoints.server.anthropic.protocol import MessagesRequest
 from prefixserve.entrypoints.server.anthropic.tools import message_tools
 from prefixserve.entrypoints.server.config import ServerConfig
-from prefixserve.entrypoints.server.openai.tool_calls import ChatTools
+from prefixserve.entrypoints.server.tools import ChatTools
 
 from test_server_api import ENGINE, MODEL, LiveServer, assert_pool_idle
 from test_tool_calls_server import ANTHROPIC_TOOLS, MESSAGES, SCHEMAS, TOOLS, assert_valid_call

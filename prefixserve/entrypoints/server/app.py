@@ -1,5 +1,6 @@
 """The FastAPI application: OpenAI-compatible endpoints, the Anthropic Messages endpoint and
-named cached contents over one AsyncLLM."""
+named cached contents over one AsyncLLM. The one module that mounts the dialects' routes
+(tests/test_server_layers.py keeps every other module off them)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,23 +14,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prefixserve.diagnose.live import MissExplainer
 from prefixserve.engine import AsyncLLM, LLMEngine
 from prefixserve.entrypoints.server.anthropic.messages import create_message
+from prefixserve.entrypoints.server.anthropic.protocol import MessagesRequest
+from prefixserve.entrypoints.server.cached_contents import (CachedContentCreate, CachedContentUpdate,
+                                                            create_cached_content, delete_cached_content,
+                                                            get_cached_content, list_cached_contents,
+                                                            update_cached_content)
 from prefixserve.entrypoints.server.config import ServerConfig
 from prefixserve.entrypoints.server.errors import install_error_handlers
 from prefixserve.entrypoints.server.gate import Gate
 from prefixserve.entrypoints.server.metrics import ServerMetrics
 from prefixserve.entrypoints.server.openai.chat import create_chat_completion
 from prefixserve.entrypoints.server.openai.completions import create_completion
-from prefixserve.entrypoints.server.anthropic.protocol import MessagesRequest
 from prefixserve.entrypoints.server.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                                             ModelList)
 from prefixserve.entrypoints.server.prompting.bodies import add_body_schemas, request_body_schema
-from prefixserve.entrypoints.server.prompting.cached_contents import (CachedContentCreate,
-                                                                      CachedContentUpdate,
-                                                                      create_cached_content,
-                                                                      delete_cached_content,
-                                                                      get_cached_content,
-                                                                      list_cached_contents,
-                                                                      update_cached_content)
 from prefixserve.entrypoints.server.prompting.render_pool import RenderPool
 from prefixserve.entrypoints.server.state import ServerState, get_state
 

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from prefixserve.diagnose.live import MissExplainer
 from prefixserve.engine.outputs import RequestOutput
 from prefixserve.entrypoints.server.errors import bad_request
-from prefixserve.entrypoints.server.openai.protocol import DiagnoseFields
+from prefixserve.entrypoints.server.protocol import DiagnoseFields
 from prefixserve.prompt import Span
 
 

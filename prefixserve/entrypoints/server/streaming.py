@@ -1,160 +1,85 @@
-"""What every generation endpoint shares: submitting prompts, following their outputs, aborting
-on client disconnect, and framing server-sent events (OpenAI's data lines, Anthropic's named
-events)."""
+"""The one stream loop of every generation endpoint, and server-sent events.
+
+`relay` follows a request's outputs and works out, per choice, what is new since the last event
+(text and tokens), skipping choices already finished; it says when every prompt has finished
+(then the pipeline remembers the request), and turns an engine error into the dialect's error
+event. A dialect only frames: its `Framing` says what a choice's update becomes and how the
+opening, each chunk, an error and the closing are written (OpenAI's data lines ending in
+[DONE], Anthropic's named events)."""
 from __future__ import annotations
 
-import asyncio
 import json
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional, Protocol
 
-from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from prefixserve.engine.async_llm import AsyncLLM, RequestStream
-from prefixserve.engine.outputs import CachePin, RequestOutput
-from prefixserve.entrypoints.server.config import ServerConfig
-from prefixserve.entrypoints.server.errors import APIError, api_error
-from prefixserve.entrypoints.server.metrics import RequestRecorder, ServerMetrics
-from prefixserve.sampling_params import SamplingParams
+from prefixserve.engine.outputs import CompletionOutput, RequestOutput
+from prefixserve.entrypoints.server.errors import APIError
 
 DONE_EVENT = "data: [DONE]\n\n"
 
 
-@dataclass
-class Generation:
-    """The engine requests (one per prompt) behind one HTTP request."""
-    async_llm: AsyncLLM
-    request_ids: list[str]
-    streams: list[RequestStream]
-    recorders: list[RequestRecorder]
-    config: ServerConfig
-    param: str
-    samples_per_prompt: int = 1
-    finished: set[int] = field(default_factory=set)
-
-    def abort(self) -> None:
-        """Aborts every prompt not yet finished (idempotent; safe after completion)."""
-        for i, rid in enumerate(self.request_ids):
-            if i not in self.finished:
-                self.finished.add(i)
-                self.async_llm.abort(rid)
-                self.recorders[i].aborted(self.samples_per_prompt)
-
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, cumulative output) as they arrive from every prompt, until all finish.
-
-        Raises APIError when the engine ends a request with an error.
-        """
-        if len(self.streams) == 1:
-            async for output in self._follow(0):
-                yield 0, output
-            return
-        # Outputs are cumulative: keep only each prompt's newest, so a slow client costs no memory.
-        latest: dict[int, RequestOutput] = {}
-        errors: list[Exception] = []
-        done: set[int] = set()
-        wake = asyncio.Event()
-
-        async def pump(i: int) -> None:
-            try:
-                async for output in self._follow(i):
-                    latest[i] = output
-                    wake.set()
-            except Exception as exc:  # handed to the reader
-                errors.append(exc)
-            finally:
-                done.add(i)
-                wake.set()
-
-        tasks = [asyncio.create_task(pump(i)) for i in range(len(self.streams))]
-        try:
-            while True:
-                await wake.wait()
-                wake.clear()
-                if errors:
-                    raise errors[0]
-                ready = sorted(latest.items())
-                latest.clear()
-                for item in ready:
-                    yield item
-                if len(done) == len(tasks) and not latest:
-                    return
-        finally:
-            for task in tasks:
-                task.cancel()
-
-    async def _follow(self, i: int) -> AsyncIterator[RequestOutput]:
-        try:
-            async for output in self.streams[i]:
-                self.recorders[i].observe(output)
-                if output.error is not None:
-                    raise APIError(500, f"the engine ended the request: {output.error}",
-                                   type="server_error", code="engine_error")
-                if output.finished:
-                    self.finished.add(i)
-                yield output
-        except APIError:
-            raise
-        except Exception as exc:
-            raise api_error(exc, param=self.param, retry_after_s=self.config.retry_after_s,
-                            renames={"prompt": self.param})
-
-    async def _abort_on_disconnect(self, request: Request) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        self.abort()
-
-    async def first_output(self, request: Request
-                           ) -> tuple[RequestOutput, AsyncIterator[tuple[int, RequestOutput]]]:
-        """For one prompt: waits for its first output (the prompt is computed and its pins are
-        placed by then) and returns it with the iterator of the outputs after it. Aborts if the
-        client disconnects first."""
-        outputs = self.outputs()
-        watcher = asyncio.create_task(self._abort_on_disconnect(request))
-        try:
-            _, first = await outputs.__anext__()
-        except BaseException:
-            self.abort()
-            await outputs.aclose()
-            raise
-        finally:
-            watcher.cancel()
-        return first, outputs
-
-    async def final_outputs(self, request: Request) -> list[RequestOutput]:
-        """Waits for every prompt to finish; aborts them all if the client disconnects first."""
-        watcher = asyncio.create_task(self._abort_on_disconnect(request))
-        last: dict[int, RequestOutput] = {}
-        try:
-            async for i, output in self.outputs():
-                last[i] = output
-        finally:
-            watcher.cancel()
-            self.abort()
-        return [last[i] for i in range(len(self.streams))]
+@dataclass(frozen=True)
+class ChoiceUpdate:
+    """One choice's newest cumulative output, and how much of it earlier events sent."""
+    index: int              # in the response: sample k of prompt i is choice i * n + k
+    output: RequestOutput
+    completion: CompletionOutput
+    text_start: int         # characters of completion.text already sent
+    token_start: int        # tokens of completion.token_ids already sent
+    finished: bool
 
 
-async def submit(async_llm: AsyncLLM, config: ServerConfig, metrics: ServerMetrics, base_id: str,
-                 prompts: list[list[int]], params: SamplingParams, *, cache_salt: Optional[str],
-                 priority: int, param: str, cache_pins: Sequence[CachePin] = ()) -> Generation:
-    """Adds every prompt; if any is refused, aborts the ones already added and raises APIError."""
-    ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
-    streams: list[RequestStream] = []
+class Framing(Protocol):
+    """How one dialect writes a stream. `choice` returns None while there is nothing to send for
+    the choice (the loop then counts nothing of it as sent); `finished`, given to `chunk` once,
+    is what the pipeline's finish returned when every prompt had finished."""
+    def opening(self) -> list[str]: ...
+    def choice(self, update: ChoiceUpdate) -> Any: ...
+    def chunk(self, pieces: list[Any], finished: Any) -> list[str]: ...
+    def error(self, exc: APIError) -> list[str]: ...
+    def closing(self, last: list[RequestOutput], finished: Any) -> list[str]: ...
+
+
+async def relay(outputs: AsyncIterator[tuple[int, RequestOutput]], prompts: int, samples_per_prompt: int,
+                framing: Framing, finish: Callable[[list[RequestOutput]], Any]) -> AsyncIterator[str]:
+    """The events of one streamed response. `finish` runs once, with every prompt's final output."""
+    for event in framing.opening():
+        yield event
+    sent: dict[int, tuple[int, int]] = {}   # choice -> (characters, tokens) sent
+    done: set[int] = set()
+    last: dict[int, RequestOutput] = {}
+    finished: Optional[Any] = None
     try:
-        for rid, prompt in zip(ids, prompts):
-            streams.append(await async_llm.add_request(
-                rid, {"prompt_token_ids": prompt}, params, cache_salt=cache_salt, priority=priority,
-                cache_pins=cache_pins))
-    except BaseException as exc:
-        for rid in ids[:len(streams)]:
-            async_llm.abort(rid)
-        if isinstance(exc, Exception):
-            raise api_error(exc, param=param, retry_after_s=config.retry_after_s,
-                            renames={"prompt": param}) from exc
-        raise
-    return Generation(async_llm, ids, streams, [metrics.recorder() for _ in ids], config, param, params.n)
+        async for i, out in outputs:
+            last[i] = out
+            pieces = []
+            for c in out.outputs:
+                index = i * samples_per_prompt + c.index
+                if index in done:
+                    continue
+                text_start, token_start = sent.get(index, (0, 0))
+                update = ChoiceUpdate(index, out, c, text_start, token_start, c.finish_reason is not None)
+                piece = framing.choice(update)
+                if piece is None:
+                    continue
+                sent[index] = (len(c.text), len(c.token_ids))
+                if update.finished:
+                    done.add(index)
+                pieces.append(piece)
+            now_finished = None
+            if finished is None and len(last) == prompts and all(o.finished for o in last.values()):
+                finished = now_finished = finish([last[k] for k in sorted(last)])
+            for event in framing.chunk(pieces, now_finished):
+                yield event
+    except APIError as exc:
+        for event in framing.error(exc):
+            yield event
+        return
+    for event in framing.closing([last[k] for k in sorted(last)], finished):
+        yield event
 
 
 def sse(model: BaseModel) -> str:
@@ -186,4 +111,3 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
-

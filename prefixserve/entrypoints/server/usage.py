@@ -1,4 +1,5 @@
-"""Usage accounting for both APIs, in one place: prompt, completion and cache tokens.
+"""Usage accounting for both APIs, in one place: prompt, completion and cache tokens. Each
+dialect only spells the numbers in its own fields (openai/protocol.py Usage, anthropic's usage).
 
 Prompt-cache accounting: tokens read from the cache, written (pinned) to it, and uncached.
 
@@ -13,12 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prefixserve.engine.outputs import RequestOutput
-from prefixserve.entrypoints.server.openai.protocol import PromptTokensDetails, Usage
 
 
 @dataclass(frozen=True)
-class CacheUsage:
+class TokenUsage:
+    """One HTTP request's usage, over every prompt it sent."""
     prompt_tokens: int
+    completion_tokens: int
     read: int
     written: int
 
@@ -27,22 +29,13 @@ class CacheUsage:
         return self.prompt_tokens - self.read - self.written
 
     @classmethod
-    def of(cls, output: RequestOutput) -> CacheUsage:
-        read = output.num_cached_tokens
-        pinned = max((p.pinned_tokens for p in output.pins if p.error is None), default=0)
-        return cls(len(output.prompt_token_ids), read, max(0, pinned - read))
-
-    def anthropic(self, output_tokens: int) -> dict[str, int]:
-        return {"input_tokens": self.uncached, "output_tokens": output_tokens,
-                "cache_creation_input_tokens": self.written, "cache_read_input_tokens": self.read}
+    def of(cls, outputs: list[RequestOutput]) -> TokenUsage:
+        return cls(prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+                   completion_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
+                   read=sum(o.num_cached_tokens for o in outputs),
+                   written=sum(_written(o) for o in outputs))
 
 
-def usage_of(outputs: list[RequestOutput]) -> Usage:
-    """OpenAI's usage object over every prompt of one HTTP request."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    caches = [CacheUsage.of(o) for o in outputs]
-    details = PromptTokensDetails(cached_tokens=sum(c.read for c in caches),
-                                  cache_write_tokens=sum(c.written for c in caches))
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=details)
+def _written(output: RequestOutput) -> int:
+    pinned = max((p.pinned_tokens for p in output.pins if p.error is None), default=0)
+    return max(0, pinned - output.num_cached_tokens)

@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field
 
-from prefixserve.entrypoints.server.openai.protocol import DiagnoseFields, StrictModel
+from prefixserve.entrypoints.server.protocol import DiagnoseFields, StrictModel
 
 
 class ContentBlock(StrictModel):

@@ -1,13 +1,13 @@
 """The tool parts of POST /v1/messages: tools (Anthropic's shape) and tool_choice checked, the
-grammar a forced choice puts on decoding, and the reply's content blocks and stop reason."""
+grammar a forced choice puts on decoding, and the reply's content blocks (the calls parsed from
+the output become `tool_use` blocks after any text) and stop reason."""
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from prefixserve.entrypoints.server.anthropic.tool_blocks import reply_blocks
-from prefixserve.entrypoints.server.openai.tool_calls import ChatTools
 from prefixserve.entrypoints.server.prompting.conversations import tool_of
-from prefixserve.tools import parse_tool_calls
+from prefixserve.entrypoints.server.tools import ChatTools
+from prefixserve.tools import ToolCall, parse_tool_calls
 
 
 def message_tools(body, tokenizer) -> ChatTools:
@@ -28,3 +28,16 @@ def reply(tools: ChatTools, text: str) -> tuple[list[dict[str, Any]], bool]:
 
 def stop_reason_of(stop_reason: Optional[str], called: bool) -> Optional[str]:
     return "tool_use" if called and stop_reason == "end_turn" else stop_reason
+
+
+def tool_use_block(call: ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.input()}
+
+
+def reply_blocks(content: Optional[str], calls: list[ToolCall], *, text_first: bool = True
+                 ) -> list[dict[str, Any]]:
+    """text_first=False for a format whose text can only follow the calls (Llama 3), so the
+    blocks come in the order a stream of the same output sends them."""
+    text: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
+    uses = [tool_use_block(c) for c in calls]
+    return text + uses if text_first else uses + text

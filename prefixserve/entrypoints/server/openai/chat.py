@@ -1,84 +1,76 @@
-"""POST /v1/chat/completions: messages through the model's chat template, then generation."""
+"""POST /v1/chat/completions: messages through the model's chat template, then generation. The
+pipeline (pipeline.py) does the work; this module reads the body and writes OpenAI's objects."""
 from __future__ import annotations
 
 import dataclasses
 import json
-import time
-from typing import Annotated, AsyncIterator, Optional
+from typing import Annotated, Any, Optional
 
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.outputs import CompletionOutput, RequestOutput
-from prefixserve.entrypoints.server.diagnosis import (LiveDiagnosis, diagnose_ask,
-                                                      with_diagnosis)
-from prefixserve.entrypoints.server.errors import APIError, api_error, bad_request
-from prefixserve.errors import InvalidRequestError
-from prefixserve.entrypoints.server.streaming import DONE_EVENT, EventStream, Generation, sse, submit
-from prefixserve.entrypoints.server.usage import usage_of
-from prefixserve.entrypoints.server.prompting.bodies import ParsedChat, chat_body
-from prefixserve.entrypoints.server.prompting.prompts import PreparedPrompt, prepare_prompt
-from prefixserve.entrypoints.server.openai.tool_calls import ChatTools, ToolDeltas, finish_reason_of
+from prefixserve.entrypoints.server.errors import APIError, bad_request
+from prefixserve.entrypoints.server.openai.conversation import CHAT
 from prefixserve.entrypoints.server.openai.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
-                                                     ChatCompletionChunk, ChatCompletionRequest,
-                                                     ChatCompletionResponse, ChatLogprobs,
-                                                     DeltaMessage, TokenLogprob, TopLogprob)
-from prefixserve.entrypoints.server.state import ServerState, get_state, new_id, principal, token_text
-from prefixserve.entrypoints.server.prompting.pins import unix_time, warning_headers
+                                                            ChatCompletionChunk, ChatCompletionRequest,
+                                                            ChatCompletionResponse, ChatLogprobs,
+                                                            DeltaMessage, TokenLogprob, TopLogprob, Usage)
+from prefixserve.entrypoints.server.openai.tool_calls import ToolDeltas, chat_tools, finish_reason_of, reply
+from prefixserve.entrypoints.server.pipeline import Call, ChatPrompt, Finished, GenerationRequest, start
+from prefixserve.entrypoints.server.prompting.bodies import ParsedChat, chat_body
+from prefixserve.entrypoints.server.state import ServerState, token_text
+from prefixserve.entrypoints.server.streaming import DONE_EVENT, ChoiceUpdate, sse
+from prefixserve.entrypoints.server.usage import TokenUsage
 
 
-async def create_chat_completion(parsed: Annotated[ParsedChat, Depends(chat_body("chat"))],
+async def create_chat_completion(parsed: Annotated[ParsedChat, Depends(chat_body(CHAT.name))],
                                  request: Request) -> Response:
     body: ChatCompletionRequest = parsed.body  # without messages when it was large: see ParsedChat
-    state = get_state(request)
-    state.check_model(body.model)
-    salt = state.namespace(request, body.cache_salt)
-    priority = state.priority(request, body.priority)
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias", code="unsupported")
-    if body.top_logprobs is not None and not body.logprobs:
-        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-    ask = diagnose_ask(body)
-    tools = ChatTools.of(body, state.async_llm.tokenizer)
-    prompt = await prepare_prompt(state, parsed.source, cached_content=body.cached_content, cache_salt=salt,
-                                  tenant=principal(request).tenant,
-                                  add_generation_prompt=body.add_generation_prompt,
-                                  template_kwargs=_template_kwargs(body), with_spans=ask is not None)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
-        else body.max_tokens
-    try:
-        params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-        params = dataclasses.replace(params, structured=tools.structured)
-    except InvalidRequestError as exc:
-        raise api_error(exc, renames={"logprobs": "top_logprobs"}) from None
-    live = LiveDiagnosis(state.explainer, ask, prompt.cache_salt,
-                         prompt.rendered.spans)
-    gen = await submit(state.async_llm, state.config, state.metrics, new_id("chatcmpl"),
-                       [prompt.token_ids], params, cache_salt=prompt.cache_salt,
-                       priority=priority, param="messages", cache_pins=prompt.plan.pins)
-    created = int(time.time())
+    call = await start(request, _generation_request(body, parsed))
     if body.stream:
-        return EventStream(_stream(state, gen, body, created, prompt, live, tools), on_close=gen.abort)
-    (output,) = await gen.final_outputs(request)
-    state.turns.remember(prompt.cache_salt, prompt.rendered.text, prompt.token_ids, output,
-                         state.async_llm.tokenizer, prompt.tenant)
+        return call.stream(_ChatFraming(call, body))
+    done = await call.collect(request)
+    (output,) = done.outputs
     choices = []
     for c in output.outputs:
-        content, calls = tools.reply(c.text)
+        content, calls = reply(call.tools, c.text)
         choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content,
                                                                           tool_calls=calls or None),
-                                  logprobs=_logprobs(state, c, 0),
+                                  logprobs=_logprobs(call.state, c, 0),
                                   finish_reason=finish_reason_of(c.finish_reason, bool(calls)),
                                   stop_reason=c.stop_reason))
-    response = ChatCompletionResponse(id=gen.request_ids[0], created=created,
-                                      model=state.model_name, choices=choices,
-                                      usage=usage_of([output]))
+    response = ChatCompletionResponse(id=call.id, created=call.created,
+                                      model=call.state.model_name, choices=choices,
+                                      usage=Usage.of(TokenUsage.of([output])))
     body_json = response.model_dump()
-    report = prompt.plan.report(output, unix_time(state.async_llm.now))
-    extension = with_diagnosis(report, live.finish(gen.request_ids[0], output))
+    extension = call.extension(done.outputs, done.diagnoses)
     if extension is not None:
         body_json["prefixserve"] = extension
-    return JSONResponse(body_json, headers=warning_headers(prompt.plan.warnings(output)))
+    return JSONResponse(body_json, headers=call.warning_headers(output))
+
+
+def _generation_request(body: ChatCompletionRequest, parsed: ParsedChat) -> GenerationRequest:
+    def check() -> None:
+        if body.logit_bias:
+            raise bad_request("logit_bias is not supported", param="logit_bias", code="unsupported")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+
+    def sampling(tools) -> Any:
+        params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        return dataclasses.replace(params, structured=tools.structured)
+
+    return GenerationRequest(
+        id_prefix="chatcmpl", param="messages", model=body.model, cache_salt=body.cache_salt,
+        priority=body.priority, diagnose=body,
+        prompt=ChatPrompt(parsed.source, body.cached_content, body.add_generation_prompt,
+                          _template_kwargs(body)),
+        sampling=sampling, renames={"logprobs": "top_logprobs"}, check=check,
+        tools=lambda tokenizer: chat_tools(body, tokenizer))
 
 
 def _template_kwargs(body: ChatCompletionRequest) -> dict:
@@ -104,68 +96,51 @@ def _logprobs(state: ServerState, c: CompletionOutput, start: int) -> Optional[C
     return ChatLogprobs(content=content)
 
 
-async def _stream(state: ServerState, gen: Generation, body: ChatCompletionRequest,
-                  created: int, prompt: PreparedPrompt, live: LiveDiagnosis,
-                  tools: ChatTools) -> AsyncIterator[str]:
-    def chunk(choices: list[ChatChunkChoice]) -> str:
-        return sse(ChatCompletionChunk(id=gen.request_ids[0], created=created,
-                                       model=state.model_name, choices=choices))
+class _ChatFraming:
+    """Chat chunks: the assistant role first, content and tool-call deltas per choice, the
+    `prefixserve` object on the last chunk (the usage chunk when one is asked for), [DONE]."""
 
-    def extension(out: RequestOutput, diagnosis: Optional[dict]) -> Optional[dict]:
-        return with_diagnosis(prompt.plan.report(out, unix_time(state.async_llm.now)),
-                              diagnosis)
+    def __init__(self, call: Call, body: ChatCompletionRequest) -> None:
+        self.call, self.body = call, body
+        self.deltas = {k: ToolDeltas(call.tools) for k in range(body.n)}
 
-    yield chunk([ChatChunkChoice(index=k, delta=DeltaMessage(role="assistant", content=""))
-                 for k in range(body.n)])
-    deltas = {k: ToolDeltas(tools) for k in range(body.n)}
-    sent_tokens: dict[int, int] = {}
-    done: set[int] = set()
-    last: Optional[RequestOutput] = None
-    diagnosis: Optional[dict] = None
-    try:
-        async for _, out in gen.outputs():
-            last = out
-            choices = []
-            for c in out.outputs:
-                if c.index in done:
-                    continue
-                finished = c.finish_reason is not None
-                delta = deltas[c.index].delta(c.text, finished)
-                if not delta and not finished:
-                    continue
-                choices.append(ChatChunkChoice(
-                    index=c.index, delta=DeltaMessage(**delta),
-                    logprobs=_logprobs(state, c, sent_tokens.get(c.index, 0)),
-                    finish_reason=finish_reason_of(c.finish_reason, deltas[c.index].called),
-                    stop_reason=c.stop_reason))
-                sent_tokens[c.index] = len(c.token_ids)
-                if finished:
-                    done.add(c.index)
-            if out.finished:
-                state.turns.remember(prompt.cache_salt, prompt.rendered.text, prompt.token_ids, out,
-                                     state.async_llm.tokenizer, prompt.tenant)
-                diagnosis = live.finish(gen.request_ids[0], out)
-                if not body.include_usage_in_stream and diagnosis is not None:
-                    # No usage chunk follows: the last content chunk carries the extension.
-                    final = ChatCompletionChunk(id=gen.request_ids[0], created=created,
-                                                model=state.model_name, choices=choices).model_dump()
-                    final["prefixserve"] = extension(out, diagnosis)
-                    yield f"data: {json.dumps(final)}\n\n"
-                    continue
-            if choices:
-                yield chunk(choices)
-    except APIError as exc:
-        yield exc.sse()
-        yield DONE_EVENT
-        return
-    if last is not None:
-        prompt.plan.warnings(last)  # logged: a stream's headers left before the pins existed
-    if body.include_usage_in_stream and last is not None:
-        usage_chunk = ChatCompletionChunk(id=gen.request_ids[0], created=created,
-                                          model=state.model_name, choices=[], usage=usage_of([last]))
-        chunk_json = usage_chunk.model_dump()
-        final_extension = extension(last, diagnosis)
-        if final_extension is not None:
-            chunk_json["prefixserve"] = final_extension
-        yield f"data: {json.dumps(chunk_json)}\n\n"
-    yield DONE_EVENT
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Optional[Usage] = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.call.id, created=self.call.created,
+                                   model=self.call.state.model_name, choices=choices, usage=usage)
+
+    def opening(self) -> list[str]:
+        return [sse(self._chunk([ChatChunkChoice(index=k, delta=DeltaMessage(role="assistant", content=""))
+                                 for k in range(self.body.n)]))]
+
+    def choice(self, u: ChoiceUpdate) -> Optional[ChatChunkChoice]:
+        c = u.completion
+        delta = self.deltas[u.index].delta(c.text, u.finished)
+        if not delta and not u.finished:
+            return None
+        return ChatChunkChoice(index=u.index, delta=DeltaMessage(**delta),
+                               logprobs=_logprobs(self.call.state, c, u.token_start),
+                               finish_reason=finish_reason_of(c.finish_reason, self.deltas[u.index].called),
+                               stop_reason=c.stop_reason)
+
+    def chunk(self, choices: list[ChatChunkChoice], finished: Optional[Finished]) -> list[str]:
+        if finished is not None and not self.body.include_usage_in_stream and finished.diagnoses[0] is not None:
+            # No usage chunk follows: the last content chunk carries the extension.
+            final = self._chunk(choices).model_dump()
+            final["prefixserve"] = self.call.extension(finished.outputs, finished.diagnoses)
+            return [f"data: {json.dumps(final)}\n\n"]
+        return [sse(self._chunk(choices))] if choices else []
+
+    def error(self, exc: APIError) -> list[str]:
+        return [exc.sse(), DONE_EVENT]
+
+    def closing(self, last: list[RequestOutput], finished: Optional[Finished]) -> list[str]:
+        events = []
+        if last:
+            self.call.warning_headers(last[0])  # logged: a stream's headers left before the pins existed
+        if self.body.include_usage_in_stream and last:
+            chunk_json = self._chunk([], Usage.of(TokenUsage.of(last))).model_dump()
+            extension = self.call.extension(last, finished.diagnoses if finished is not None else [None])
+            if extension is not None:
+                chunk_json["prefixserve"] = extension
+            events.append(f"data: {json.dumps(chunk_json)}\n\n")
+        return events + [DONE_EVENT]

@@ -10,32 +10,13 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from prefixserve.entrypoints.server.protocol import DiagnoseFields, StrictModel
+from prefixserve.entrypoints.server.usage import TokenUsage
 from prefixserve.sampling_params import SamplingParams
-
-
-class StrictModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
-
-
-class PrefixserveOptions(StrictModel):
-    """The request's `prefixserve` extension object; unknown keys are refused (typos would
-    otherwise silently turn diagnosis off)."""
-    model_config = ConfigDict(strict=True, extra="forbid")
-    diagnose: bool = False
-    diagnose_against: Optional[str] = None
-
-
-class DiagnoseFields(StrictModel):
-    """Live cache-miss diagnosis (prefixserve extension, on every generation endpoint): asked by
-    `diagnose: true` or `prefixserve: {"diagnose": true}`; `diagnose_against` (top-level or in
-    `prefixserve`) names the earlier response id to compare with and implies `diagnose`."""
-    diagnose: bool = False
-    diagnose_against: Optional[str] = None
-    prefixserve: Optional[PrefixserveOptions] = None
 
 
 class _GenerationRequest(DiagnoseFields):
@@ -101,7 +82,7 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
-    # as on chat completions (one parser: openai/tool_calls.py response_format_of)
+    # as on chat completions (one parser: tools.py response_format_of)
     response_format: Optional[dict[str, Any]] = None
 
 
@@ -156,6 +137,14 @@ class Usage(BaseModel):
     total_tokens: int
     # Always present, 0 included: how many prompt tokens came from the prefix cache.
     prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, usage: TokenUsage) -> Usage:
+        """OpenAI's usage object over every prompt of one HTTP request."""
+        details = PromptTokensDetails(cached_tokens=usage.read, cache_write_tokens=usage.written)
+        return cls(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                   total_tokens=usage.prompt_tokens + usage.completion_tokens,
+                   prompt_tokens_details=details)
 
 
 class CompletionLogprobs(BaseModel):

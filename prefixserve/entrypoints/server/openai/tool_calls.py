@@ -1,75 +1,29 @@
-"""The tool and structured-output parts of POST /v1/chat/completions.
-
-`ChatTools.of(body)` checks tools, tool_choice, parallel_tool_calls, response_format and the
-tool calls in the history, and says which grammar (if any) constrains decoding; the route then
-turns each finished output into `message.tool_calls` (`reply`) or, streaming, turns text deltas
-into OpenAI's tool-call deltas (`ToolDeltas`). `response_format_of` also reads /v1/completions'
-response_format: one parser, the same 400s."""
+"""The OpenAI side of tools on POST /v1/chat/completions: the body's tool fields, the history's
+tool calls checked, and each finished output turned into `message.tool_calls` (`reply`) or,
+streaming, text deltas turned into OpenAI's tool-call deltas (`ToolDeltas`). What both APIs
+share (tool_choice, grammars, response_format) is tools.py."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+from prefixserve.entrypoints.server.tools import ChatTools
 from prefixserve.errors import InvalidRequestError
-from prefixserve.structured.spec import StructuredOutput
-from prefixserve.tools import ToolCall, ToolCallStream, ToolFormat, ToolSpec, format_of_template, parse_tool_calls
-from prefixserve.tools.choice import ToolChoice, call_grammar, tool_choice_of, tool_specs_of
+from prefixserve.tools import ToolCall, ToolCallStream, parse_tool_calls
 
 
-def single_token_id(tokenizer) -> Any:
-    """text -> the id of the one token spelling it, if any (the call tags in Qwen vocabularies)."""
-    def lookup(text: str) -> Optional[int]:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return ids[0] if len(ids) == 1 else None
-    return lookup
+def chat_tools(body, tokenizer) -> ChatTools:
+    """A chat-completions body's tools, tool_choice, parallel_tool_calls, response_format."""
+    return ChatTools.build(body.tools, body.tool_choice, body.parallel_tool_calls,
+                           body.response_format, tokenizer)
 
 
-def tool_format(tokenizer) -> ToolFormat:
-    template = tokenizer.chat_template
-    if isinstance(template, dict):  # named templates: any of them teaches the format
-        template = "\n".join(template.values())
-    return format_of_template(template)
-
-
-@dataclass(frozen=True)
-class ChatTools:
-    specs: list[ToolSpec]
-    choice: ToolChoice
-    fmt: ToolFormat
-    structured: Optional[StructuredOutput]
-
-    @classmethod
-    def of(cls, body, tokenizer) -> ChatTools:
-        """A chat-completions body's tools, tool_choice, parallel_tool_calls, response_format."""
-        return cls.build(body.tools, body.tool_choice, body.parallel_tool_calls,
-                         body.response_format, tokenizer)
-
-    @classmethod
-    def build(cls, tools: Optional[list[dict[str, Any]]], tool_choice: Any,
-              parallel: Optional[bool], response_format: Optional[dict[str, Any]],
-              tokenizer) -> ChatTools:
-        """tools in the template's (OpenAI) shape; tool_choice in either API's shape."""
-        specs = tool_specs_of(tools)
-        choice = tool_choice_of(tool_choice, specs, parallel=parallel)
-        fmt = tool_format(tokenizer)
-        structured = call_grammar(choice, specs, fmt, single_token_id(tokenizer))
-        response = response_format_of(response_format)
-        if response is not None and structured is not None:
-            raise InvalidRequestError("response_format cannot be combined with a tool_choice that "
-                                      "forces a tool call", param="response_format")
-        if response is not None:
-            # the output is the format asked for, never a call (a Llama 3 call is JSON too: an
-            # answer shaped like one must stay the answer)
-            choice = replace(choice, mode="none")
-        return cls(specs, choice, fmt, structured or response)
-
-    def reply(self, text: str) -> tuple[Optional[str], list[dict[str, Any]]]:
-        """(content, tool_calls in OpenAI's shape) of a finished output."""
-        if not self.choice.parses_calls:
-            return text, []
-        content, calls = parse_tool_calls(text, self.fmt)
-        return content, [openai_call(c) for c in calls]
+def reply(tools: ChatTools, text: str) -> tuple[Optional[str], list[dict[str, Any]]]:
+    """(content, tool_calls in OpenAI's shape) of a finished output."""
+    if not tools.choice.parses_calls:
+        return text, []
+    content, calls = parse_tool_calls(text, tools.fmt)
+    return content, [openai_call(c) for c in calls]
 
 
 def finish_reason_of(reason: Optional[str], called: bool) -> Optional[str]:
@@ -80,25 +34,6 @@ def finish_reason_of(reason: Optional[str], called: bool) -> Optional[str]:
 def openai_call(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function",
             "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def response_format_of(raw: Optional[dict[str, Any]]) -> Optional[StructuredOutput]:
-    if raw is None:
-        return None
-    kind = raw.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredOutput("json_object")
-    if kind == "json_schema":
-        spec = raw.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise InvalidRequestError("response_format.json_schema.schema must be a JSON schema object",
-                                      param="response_format.json_schema.schema")
-        return StructuredOutput.json_schema(schema)
-    raise InvalidRequestError(f"response_format.type must be \"text\", \"json_object\" or "
-                              f"\"json_schema\", got {str(kind)[:40]!r}", param="response_format.type")
 
 
 def check_tool_calls(role: str, calls: Any, where: str) -> None:
@@ -123,6 +58,7 @@ def check_tool_calls(role: str, calls: Any, where: str) -> None:
             except ValueError:
                 raise InvalidRequestError(f"{where}[{j}].function.arguments is not JSON text",
                                           param=f"{where}[{j}].function.arguments") from None
+
 
 class ToolDeltas:
     """One choice's stream: text so far -> the DeltaMessage fields to send (content and/or

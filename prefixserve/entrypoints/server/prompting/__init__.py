@@ -1,4 +1,4 @@
-"""From a request to the prompt the engine sees: conversations from request bodies
-(conversations.py), rendering with a cached content first (prompts.py), cache_control
-breakpoints as engine pins (pins.py), and named cached contents (cached_contents.py).
-Rendering itself is prefixserve.prompt, shared with diagnose."""
+"""From a request to what the renderer needs: request bodies parsed (bodies.py, in the render
+process when large: render_pool.py), conversations built from them (conversations.py,
+tool_blocks.py), cache_control breakpoints as engine pins (pins.py) and the tokens of earlier
+agent turns (turn_memory.py). Rendering itself is prefixserve.prompt, shared with diagnose."""

@@ -20,11 +20,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from fastapi.exceptions import RequestValidationError
 
-from prefixserve.entrypoints.server.anthropic.protocol import MessagesRequest
 from prefixserve.entrypoints.server.errors import validation_error
-from prefixserve.entrypoints.server.openai.protocol import ChatCompletionRequest
-from prefixserve.entrypoints.server.prompting.conversations import (messages_conversation,
-                                                                    openai_conversation)
 from prefixserve.entrypoints.server.validation import BodyLimits, check_parsed_body
 from prefixserve.errors import InvalidRequestError
 from prefixserve.prompt import Conversation
@@ -40,10 +36,15 @@ class ChatKind:
     conversation_fields: dict[str, Any]
 
 
-CHAT_KINDS = {k.name: k for k in (
-    ChatKind("chat", ChatCompletionRequest, openai_conversation, {"messages": []}),
-    ChatKind("messages", MessagesRequest, messages_conversation, {"messages": [], "system": None}),
-)}
+# The chat endpoints' bodies by the name a dependency and the render process know them by. Each
+# dialect registers its own (openai/conversation.py, anthropic/conversation.py), so this module
+# never imports a dialect; the render process gets the table when it starts (render_pool.py).
+CHAT_KINDS: dict[str, ChatKind] = {}
+
+
+def register_chat_kind(kind: ChatKind) -> ChatKind:
+    CHAT_KINDS[kind.name] = kind
+    return kind
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""Request bodies -> Conversation: OpenAI chat messages, Anthropic system/messages, tools.
+"""Request bodies -> Conversation: what both APIs' conversations are built from (text parts,
+tools in either shape) and Anthropic-shaped system/messages, which the Messages endpoint and named
+cached contents both take. OpenAI's chat messages are openai/conversation.py's.
 
 Text parts of one message are joined by newlines for the template; each part (and each
 tool) may carry a cache_control mark, which is taken off before the template sees it.
@@ -7,12 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from prefixserve.errors import CacheControlError
 from prefixserve.prompt import Conversation, Part, Tool, Turn, parse_cache_control
 from prefixserve.entrypoints.server.errors import bad_request
-from prefixserve.entrypoints.server.openai.protocol import ChatMessage
-from prefixserve.entrypoints.server.openai.tool_calls import check_tool_calls
-from prefixserve.entrypoints.server.anthropic.tool_blocks import has_tool_blocks, tool_turns
+from prefixserve.entrypoints.server.prompting.tool_blocks import has_tool_blocks, tool_turns
 
 
 def parts_of(content: Union[str, list, None], where: str) -> Optional[list[Part]]:
@@ -52,43 +51,6 @@ def tool_of(raw: Any, where: str) -> Tool:
         function["parameters"] = spec["input_schema"]
         spec = {"type": "function", "function": function}
     return Tool(spec, control, where)
-
-
-def chat_conversation(messages: list[ChatMessage], tools: Optional[list[dict[str, Any]]]
-                      ) -> Conversation:
-    turns = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        fields = message.model_dump(exclude_none=True)
-        fields.pop("content", None)
-        check_tool_calls(message.role, fields.get("tool_calls"), f"{where}.tool_calls")
-        control = parse_cache_control(fields.pop("cache_control", None), where)
-        if control is not None and not isinstance(message.content, str):
-            raise CacheControlError(f"{where}.cache_control on a message needs string content; "
-                                    f"mark one of its content parts instead",
-                                    param=f"{where}.cache_control")
-        content_where = where if isinstance(message.content, str) else f"{where}.content"
-        parts = parts_of(message.content, content_where)
-        if control is not None:
-            parts[0].cache_control = control
-        turns.append(Turn(fields, parts))
-    return Conversation(turns, [tool_of(t, f"tools[{i}]") for i, t in enumerate(tools or [])])
-
-
-def openai_conversation(body: Any) -> Conversation:
-    """A chat-completions body's conversation."""
-    return chat_conversation(body.messages, body.tools)
-
-
-def messages_conversation(body: Any) -> Conversation:
-    """A Messages body's conversation; a top-level cache_control marks the last block
-    (Anthropic's automatic caching) unless that block has its own."""
-    conversation = conversation_of(body.system, body.messages, body.tools)
-    control = parse_cache_control(body.cache_control, "body")
-    last = conversation.turns[-1].parts[-1] if conversation.turns and conversation.turns[-1].parts else None
-    if control is not None and last is not None and last.cache_control is None:
-        last.cache_control = control
-    return conversation
 
 
 def conversation_of(system: Union[str, list, None], messages: list[Any],

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel
 
-from prefixserve.entrypoints.server.prompting.bodies import (CHAT_KINDS, ConversationSource,
+from prefixserve.entrypoints.server.prompting.bodies import (CHAT_KINDS, ChatKind, ConversationSource,
                                                              ParsedConversation, parse_body, parse_chat)
 from prefixserve.entrypoints.server.validation import BodyLimits
 from prefixserve.errors import InvalidRequestError, PromptTooLongError
@@ -59,7 +59,7 @@ class RenderedChat:
     spans: Optional[list[Span]]  # only when asked: locating them takes a rendering per message
 
 
-def _start(model: str, max_tokens: int) -> None:
+def _start(model: str, max_tokens: int, chat_kinds: dict[str, ChatKind]) -> None:
     global _tokenizer, _max_tokens
     # Ctrl-C in a terminal reaches the whole process group: the server shuts the child down
     # itself, and a KeyboardInterrupt traceback from here would only be noise.
@@ -75,6 +75,7 @@ def _start(model: str, max_tokens: int) -> None:
     from prefixserve.tokenizer import load_tokenizer
     _tokenizer = load_tokenizer(model)
     _max_tokens = max_tokens
+    CHAT_KINDS.update(chat_kinds)  # a spawned child has imported no dialect to register them
 
 
 def _check_fits_length(chars: int, param: str) -> None:
@@ -168,7 +169,8 @@ class RenderPool:
             # spawn, not fork: the server process runs threads (the engine, OpenMP) that a fork
             # would copy mid-flight.
             self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_start, initargs=(self.model, self.max_tokens))
+                                             initializer=_start,
+                                             initargs=(self.model, self.max_tokens, dict(CHAT_KINDS)))
             self._started = self._pool.submit(_ready)
             # Lowered from here, not only by the child itself: its start (an interpreter, then
             # imports) runs before _start, and at normal priority it stalled the engine's

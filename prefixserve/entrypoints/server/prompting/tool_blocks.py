@@ -1,18 +1,17 @@
-"""Anthropic tool blocks <-> the turns the chat template reads and the blocks a reply holds.
+"""Anthropic-shaped tool blocks -> the turns the chat template reads. The Messages endpoint and
+named cached contents both take them; the blocks of a reply are anthropic/tools.py's.
 
-In a request, an assistant message's `tool_use` blocks become its `tool_calls` (arguments written
-as json.dumps writes them, the way structured decoding generates them, so a call the model made
+An assistant message's `tool_use` blocks become its `tool_calls` (arguments written as
+json.dumps writes them, the way structured decoding generates them, so a call the model made
 re-renders into the same text) and a user message's `tool_result` blocks become `tool` turns, in
-order, with the text around them as user turns. In a reply, the calls parsed from the output
-become `tool_use` blocks after any text."""
+order, with the text around them as user turns."""
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 from prefixserve.errors import InvalidRequestError
 from prefixserve.prompt import Part, Turn, parse_cache_control
-from prefixserve.tools import ToolCall
 
 TOOL_BLOCKS = ("tool_use", "tool_result")
 
@@ -94,16 +93,3 @@ def _result_turn(block: dict[str, Any], at: str) -> Turn:
         content = "Error: " + content
     return Turn({"role": "tool", "tool_call_id": call_id},
                 [Part(content, parse_cache_control(block.get("cache_control"), at), at)])
-
-
-def tool_use_block(call: ToolCall) -> dict[str, Any]:
-    return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.input()}
-
-
-def reply_blocks(content: Optional[str], calls: list[ToolCall], *, text_first: bool = True
-                 ) -> list[dict[str, Any]]:
-    """text_first=False for a format whose text can only follow the calls (Llama 3), so the
-    blocks come in the order a stream of the same output sends them."""
-    text: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
-    uses = [tool_use_block(c) for c in calls]
-    return text + uses if text_first else uses + text

@@ -1,13 +1,14 @@
-"""From a request's conversation to prompt tokens and the pins its cache_control asks for.
+"""The pipeline's render stage: from a request's conversation to prompt tokens and the pins its
+cache_control asks for, or from /v1/completions' prompts to token ids.
 
-Shared by the chat-completions and Messages endpoints: resolves a named cached content
-(its conversation goes first and its tokens must be the prompt's first tokens), renders
-through the chat template, locates the breakpoints.
+For the chat-completions and Messages endpoints: resolves a named cached content (its
+conversation goes first and its tokens must be the prompt's first tokens), renders through the
+chat template, locates the breakpoints. Named cached contents render here too.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from prefixserve.entrypoints.server.errors import bad_request
 from prefixserve.entrypoints.server.prompting.bodies import ConversationSource
@@ -74,3 +75,16 @@ async def render_or_400(state: ServerState, source: ConversationSource, *, add_g
     except (ValueError, TypeError, KeyError) as exc:  # the template's complaint about these messages
         raise bad_request(f"the chat template could not render these messages: {exc}",
                           param="messages") from None
+
+
+async def encode_prompts(state: ServerState, prompt: Union[str, list]) -> list[list[int]]:
+    """Every accepted prompt form as a list of token-id prompts; token ids are checked by the engine."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    if not prompt or any(not p for p in prompt):
+        raise bad_request("prompt is empty", param="prompt", code="empty_prompt")
+    texts = [p for p in prompt if isinstance(p, str)]
+    encoded = iter(await state.renderer.encode(texts, add_special_tokens=True) if texts else [])
+    return [next(encoded) if isinstance(p, str) else list(p) for p in prompt]

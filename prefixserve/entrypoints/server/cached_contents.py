@@ -25,13 +25,13 @@ from pydantic import Field
 
 from prefixserve.engine import CachedContent, CachePin, PinInfo
 from prefixserve.entrypoints.server.errors import APIError, bad_request
-from prefixserve.entrypoints.server.openai.protocol import StrictModel
+from prefixserve.entrypoints.server.generation import submit
 from prefixserve.entrypoints.server.prompting.bodies import json_body
 from prefixserve.entrypoints.server.prompting.conversations import conversation_of
 from prefixserve.entrypoints.server.prompting.pins import unix_time
-from prefixserve.entrypoints.server.prompting.prompts import render_or_400
+from prefixserve.entrypoints.server.protocol import StrictModel
+from prefixserve.entrypoints.server.rendering import render_or_400
 from prefixserve.entrypoints.server.state import get_state, new_id, principal
-from prefixserve.entrypoints.server.streaming import submit
 from prefixserve.prompt import Conversation
 from prefixserve.sampling_params import SamplingParams
 

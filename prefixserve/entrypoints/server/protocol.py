@@ -1,0 +1,29 @@
+"""What every request body of the server shares, whichever API it speaks: strict validation and
+the prefixserve diagnosis fields. The dialects' bodies (openai/protocol.py, anthropic/protocol.py)
+build on these, so neither dialect borrows the other's."""
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class PrefixserveOptions(StrictModel):
+    """The request's `prefixserve` extension object; unknown keys are refused (typos would
+    otherwise silently turn diagnosis off)."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    diagnose: bool = False
+    diagnose_against: Optional[str] = None
+
+
+class DiagnoseFields(StrictModel):
+    """Live cache-miss diagnosis (prefixserve extension, on every generation endpoint): asked by
+    `diagnose: true` or `prefixserve: {"diagnose": true}`; `diagnose_against` (top-level or in
+    `prefixserve`) names the earlier response id to compare with and implies `diagnose`."""
+    diagnose: bool = False
+    diagnose_against: Optional[str] = None
+    prefixserve: Optional[PrefixserveOptions] = None
