@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
-from prefixserve.model.kv_layout import LAYOUT_CODES, PANELS, ROWS, check_layout, pool_geometry
-from prefixserve.model.native.build import load_default, load_kernel
-from prefixserve.model.native.isa import AVX2, AVX512_BF16, BODY_CODES, ISAS, best_isa, reads_panels
+from prefixserve.model.kv_layout import ROWS, check_layout, pool_geometry
+from prefixserve.platforms.cpu.panels import LAYOUT_CODES, PANELS
+from prefixserve.platforms.cpu.native.build import load_default, load_kernel
+from prefixserve.platforms.cpu.native.isa import AVX2, AVX512_BF16, BODY_CODES, ISAS, best_isa, reads_panels
 
 
 @dataclass
@@ -88,7 +89,7 @@ class PagedDecodeAttention:
         return PagedDecodeAttention(self._library, body, self.layout)
 
     def for_layout(self, layout: str) -> "PagedDecodeAttention":
-        """The same library and tiles over pools laid out in `layout` (kv_layout.py)."""
+        """The same library and tiles over pools laid out in `layout` (model/kv_layout.py, panels.py)."""
         return self if layout == self.layout else PagedDecodeAttention(self._library, self.body, layout)
 
     @staticmethod

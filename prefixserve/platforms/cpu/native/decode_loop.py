@@ -7,7 +7,7 @@ import ctypes
 import functools
 from pathlib import Path
 
-from prefixserve.model.native.build import load_default, load_kernel
+from prefixserve.platforms.cpu.native.build import load_default, load_kernel
 
 _p, _long, _int, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 

@@ -1,4 +1,4 @@
-"""The GEMM over packed weights (`packed_gemm.c`) behind `model/packed_weight.py`.
+"""The GEMM over packed weights (`packed_gemm.c`) behind `platforms/cpu/packed_weight.py`.
 
 Used for every projection of a bfloat16 model on a CPU with avx512_bf16 and of a float32 model on a CPU
 with AVX-512, at every row count: one kernel whose row results do not depend on the batch, so prefix
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from prefixserve.model.native.build import load_default, load_kernel
-from prefixserve.model.native.isa import AVX512, AVX512_BF16, best_isa
+from prefixserve.platforms.cpu.native.build import load_default, load_kernel
+from prefixserve.platforms.cpu.native.isa import AVX512, AVX512_BF16, best_isa
 
 PANEL = 64      # output columns per panel (the C file's PANEL)
 # elements of k per step of the kernel (the C file's STEP): a bfloat16 pair for vdpbf16ps, one float32 for FMA
