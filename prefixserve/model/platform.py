@@ -75,7 +75,7 @@ class Platform:
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         q = qkv[:, :q_size].view(tokens, num_heads, head_dim)
         k = qkv[:, q_size: q_size + kv_size].view(tokens, num_kv_heads, head_dim)
-        if q_weight is not None:
+        if q_weight is not None and k_weight is not None:
             q, k = self.rms_norm(q, q_weight, eps), self.rms_norm(k, k_weight, eps)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
@@ -164,8 +164,10 @@ def load_platforms() -> None:
     """Imports the platforms package (which imports every platform module) once a process."""
     global _loaded
     if not _loaded:
-        _loaded = True
+        # marked only once imported: a thread asking meanwhile waits on the import lock, never sees a partial
+        # registry (an import from inside the package's own import gets the module as it stands)
         importlib.import_module(PLATFORMS_PACKAGE)
+        _loaded = True
 
 
 def platform_for(device: torch.device | str) -> Platform:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from prefixserve.model.attention.backend import AttentionBackend
 from prefixserve.model.attention.cascade import DecodePlan, plan_decode
 from prefixserve.model.attention.metadata import AttentionMetadata
-from prefixserve.model.attention.paged_kernels import PagedDecodeKernel, PagedKernels
+from prefixserve.model.attention.paged_kernels import PagedDecodeKernel, PagedKernel, PagedKernels
 from prefixserve.model.attention.registry import register_backend
 from prefixserve.model.kv_layout import ROWS, gather_rows, pool_geometry, write_kv
 from prefixserve.model.platform import platform_for
@@ -84,8 +84,9 @@ class TorchPagedAttention(AttentionBackend):
         `device`'s platform, where it has them."""
         self._gather = GatherBuffer()
         self._kernels: PagedKernels | None = platform_for(device).paged_attention_kernels()
-        self._decode_kernel, self._prefill_kernel, self._writer = (
+        loaded: tuple[PagedDecodeKernel | None, PagedKernel | None, Any] = (
             self._kernels.load() if use_native and self._kernels is not None else (None, None, None))
+        self._decode_kernel, self._prefill_kernel, self._writer = loaded
 
     @property
     def decode_kernel(self) -> PagedDecodeKernel | None:
@@ -99,25 +100,25 @@ class TorchPagedAttention(AttentionBackend):
 
     def build_metadata(self, common: AttentionMetadata) -> TorchPagedMetadata:
         # the decode kernel carries a run's state into a sequence's own blocks at a softmax tile's edge
-        kernel = self._decode_kernel
+        kernel, kernels = self._decode_kernel, self._kernels
         plan = plan_decode(common, kernel.tile_keys if kernel is not None else 1)
-        if plan is None or kernel is None:
+        if plan is None or kernel is None or kernels is None:
             return TorchPagedMetadata(common, plan)
-        return TorchPagedMetadata(common, plan, self._kernels.decode_tables(kernel, plan))
+        return TorchPagedMetadata(common, plan, kernels.decode_tables(kernel, plan))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 step: TorchPagedMetadata, scale: float) -> torch.Tensor:
         meta = step.common
         layout = meta.kv_layout
         kernels = self._kernels
-        if self._writer is None or not kernels.write(self._writer, kv_cache, layout, meta.slot_mapping, k, v):
+        if self._writer is None or kernels is None or not kernels.write(self._writer, kv_cache, layout, meta.slot_mapping, k, v):
             write_kv(kv_cache, layout, meta.slot_mapping, k, v)
 
         out = q.new_empty(q.shape)
         if meta.max_query_len > 1:
             kernel = self._prefill_kernel
             # every chunk of the step in one call, K/V read from the pool (its own already written there)
-            if not (kernel is not None and self.reads_layout(layout, kv_cache.dtype)
+            if not (kernel is not None and kernels is not None and self.reads_layout(layout, kv_cache.dtype)
                     and kernels.prefill(kernel, q, kv_cache, meta, scale, out,
                                         lambda n: self._gather.flat(n, torch.float32, q.device))):
                 self._prefill(q, k, v, kv_cache, meta, scale, out)
@@ -147,7 +148,7 @@ class TorchPagedAttention(AttentionBackend):
         group = num_heads // num_kv_heads
         # float32 until the result is rounded once: in bfloat16 a second rounding flips greedy tokens
         queries = q.view(n, num_kv_heads, group, head_dim).float()
-        if kernel is not None:
+        if kernel is not None and self._kernels is not None:
             out = self._kernels.decode(kernel, queries, kv_cache, layout, plan, tables, scale)
         else:
             out = _decode_gathered(queries, kv_cache, layout, plan, scale, self._gather)
