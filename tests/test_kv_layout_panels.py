@@ -1,4 +1,4 @@
-"""A pool of panels (kv_layout.py) against the pool of rows it lays out: the word layout written out by
+"""A pool of panels (platforms/cpu/panels.py) against the pool of rows it lays out: the word layout written out by
 hand, the torch writes and gathers, and the native kernels' bits. Reading K/V where they lie in panels
 instead of transposing rows must change no bit of any output: the rows kernels are the oracle here (they
 are held to float64 references in test_model_paged_decode_attention.py and

@@ -1,4 +1,4 @@
-"""The decode program (model/decode_program.py) against the model's module path, its oracle: every
+"""The decode program (platforms/cpu/decode_program.py) against the model's module path, its oracle: every
 decode-only step of a run gives the modules' final hidden states bit for bit, and where it does not
 apply the runner has none or does not use it."""
 from __future__ import annotations

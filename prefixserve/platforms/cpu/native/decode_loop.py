@@ -1,5 +1,5 @@
-"""The layer loop of a bfloat16 or float32 decode step in C (`decode_loop.c`): `model/decode_program.py` lays out a
-step's operands in a `DecodeStep` and its layers' in `DecodeLayer`s, and one call runs every layer's
+"""The layer loop of a bfloat16 or float32 decode step in C (`decode_loop.c`): `platforms/cpu/decode_program.py`
+lays out a step's operands in a `DecodeStep` and its layers' in `DecodeLayer`s, and one call runs every layer's
 kernels, reached through their addresses."""
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The decoder layer's pointwise work in one pass each (`fused_pointwise.c`): residual add + RMSNorm,
 per-head q/k norm + rotary embedding, SiLU-gated product.
 
-Used by `model/layers.py` and `model/decoder.py` for float32 and bfloat16 CPU tensors; the torch
-operators they replace take several passes over memory each (rotary embedding: seven), and in
+Used by the CPU platform's layer ops (`platforms/cpu/platform.py`) for float32 and bfloat16 CPU tensors;
+the torch operators they replace take several passes over memory each (rotary embedding: seven), and in
 bfloat16 each of those also converts to float32 and back.
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ class FusedPointwise:
 
     def function(self, name: str, dtype: torch.dtype):
         """The C function `name` for `dtype` itself, unchecked: for callers that check their operands once
-        and call it many times (model/decode_program.py). The methods below are the checked calls."""
+        and call it many times (platforms/cpu/decode_program.py). The methods below are the checked calls."""
         return self._fns[name, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32]
 
     @staticmethod

@@ -65,7 +65,7 @@ class PackedGemm:
         self.tiles = bool(library.packed_gemm_tiles())
         self.tile_k = int(library.packed_gemm_tile_k())
         # per dtype (x, panels, bias or 0, y, m, n, k, threads); public, unchecked, for callers that check their
-        # operands once and call it many times (model/decode_program.py)
+        # operands once and call it many times (platforms/cpu/decode_program.py)
         self.functions, self._widened = {}, {}
         for dtype in self.dtypes:
             for table, name in ((self.functions, _FUNCTIONS[dtype]), (self._widened, _WIDENED[dtype])):

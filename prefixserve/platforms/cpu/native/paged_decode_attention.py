@@ -1,10 +1,11 @@
 """Decode attention over the paged pool without gathering (`paged_decode_attention.c`).
 
-Used by the torch backend's decode path (`model/attention/torch_paged.py`) for float32 and
-bfloat16 pools on AVX2 CPUs: the gather-then-attend path reads K/V three times (and widens a
-bfloat16 copy), this kernel once, in the pool's own dtype, summing in float32 (the bfloat16 body
-rounds the probabilities to bfloat16 for P V, see attention_tiles.h). It runs the prefill kernel's
-tiles on the same body, so a token gets the same bits from either kernel.
+Used by the torch backend's decode path (`model/attention/torch_paged.py`, through
+`platforms/cpu/paged_attention.py`) for float32 and bfloat16 pools on AVX2 CPUs: the
+gather-then-attend path reads K/V three times (and widens a bfloat16 copy), this kernel once, in
+the pool's own dtype, summing in float32 (the bfloat16 body rounds the probabilities to bfloat16
+for P V, see attention_tiles.h). It runs the prefill kernel's tiles on the same body, so a token
+gets the same bits from either kernel.
 """
 from __future__ import annotations
 
@@ -160,7 +161,7 @@ class PagedDecodeAttention:
         output unless `out` takes it in bfloat16, lse). The arguments hold addresses only: the caller keeps
         q (contiguous), the pool, the tables, the state, out and lse alive.
         A caller running the same call over every layer's pool (pools of one shape and dtype) checks once
-        and swaps the pool's pointer, argument 1 (model/decode_program.py, through native/decode_loop.c)."""
+        and swaps the pool's pointer, argument 1 (platforms/cpu/decode_program.py, through native/decode_loop.c)."""
         if carry is None:
             state = DecodeState.fresh(q.shape, filled=False)
         else:

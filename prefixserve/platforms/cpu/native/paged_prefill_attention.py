@@ -1,8 +1,8 @@
 """Causal prefill attention over the paged pool, blocked like a GEMM (`paged_prefill_attention.c`).
 
-Used by the torch backend (`model/attention/torch_paged.py`) for every query chunk of more
-than one token in a step, fresh prompts and chunks continuing a cached context alike, for
-float32 and bfloat16 pools on AVX2 CPUs, through AVX-512 tiles where the CPU has them (a
+Used by the torch backend (`model/attention/torch_paged.py`, through `paged_attention.py`) for
+every query chunk of more than one token in a step, fresh prompts and chunks continuing a cached
+context alike, for float32 and bfloat16 pools on AVX2 CPUs, through AVX-512 tiles where the CPU has them (a
 bfloat16 pool's keys and values are multiplied as bfloat16 pairs with vdpbf16ps, against
 probabilities rounded to bfloat16, where the CPU has avx512_bf16, and widened to float32 as they
 are packed elsewhere). The CPU

@@ -1,4 +1,4 @@
-"""The few-row projection kernel (`small_m_gemm.c`) behind `model/linear.py`.
+"""The few-row projection kernel (`small_m_gemm.c`) behind `platforms/cpu/linear.py`.
 
 Decode steps multiply a few rows (1-64) by each weight; on this project's CPUs the
 library GEMMs reach a third to a half of the memory bandwidth there, and this kernel,
