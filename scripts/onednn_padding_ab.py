@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-import prefixserve.model.linear as linear_mod
+import prefixserve.platforms.cpu.linear as linear_mod
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.model.attention.metadata import AttentionMetadata

@@ -10,7 +10,7 @@ from typing import Callable, TypeVar
 
 import pytest
 
-from prefixserve.model.native.build import buildable, compiler
+from prefixserve.platforms.cpu.native.build import buildable, compiler
 
 K = TypeVar("K")
 NEEDS = "needs an x86 CPU with AVX2 and a C compiler"

@@ -11,7 +11,7 @@ from prefixserve.benchmarks.dtype_comparison import AMX_SPEEDUP, amx_target, spe
 from prefixserve.benchmarks.engines.base import RunResult
 from prefixserve.benchmarks.runner import BenchConfig, BenchResults
 from prefixserve.entrypoints.cli import main
-from prefixserve.model.native.isa import cpu_probe
+from prefixserve.platforms.cpu.native.isa import cpu_probe
 
 
 def test_a_run_in_both_dtypes_reports_bfloat16s_speed_up_from_its_own_runs(tmp_path, capsys) -> None:

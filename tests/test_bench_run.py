@@ -20,7 +20,7 @@ from prefixserve.benchmarks.report import to_json, to_markdown, write_plots
 from prefixserve.benchmarks.runner import BenchConfig, machine_info, run_benchmark
 from prefixserve.benchmarks.serving_memory import TARGET_NAME
 from prefixserve.entrypoints.cli import main
-from prefixserve.model.native.isa import cpu_probe
+from prefixserve.platforms.cpu.native.isa import cpu_probe
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ import random
 import pytest
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.model.native import packed_gemm
-from prefixserve.model.native.build import enabled
+from prefixserve.platforms.cpu.native import packed_gemm
+from prefixserve.platforms.cpu.native.build import enabled
 
 PREFIX_LEN = 56  # 3.5 blocks: the shared run ends inside a block
 SUFFIX_LENS = [3, 9, 16, 21, 30, 1]

@@ -14,8 +14,8 @@ from prefixserve import LLM, EngineConfig, LLMEngine
 from prefixserve.engine import with_concrete_dtype
 from prefixserve.entrypoints.server.app import build_app
 from prefixserve.entrypoints.server.config import ServerConfig
-from prefixserve.model import dtype_choice
-from prefixserve.model.dtype_choice import CpuBf16Support, choose_dtype
+from prefixserve.platforms.cpu import dtype_choice
+from prefixserve.platforms.cpu.dtype_choice import CpuBf16Support, choose_dtype
 from test_server_api import LiveServer
 
 CPU = torch.device("cpu")

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from native_kernel_build import build_fresh
-from prefixserve.model import layers
+from prefixserve.platforms.cpu import platform as layers
 from prefixserve.model.layers import GatedMLP, RMSNorm
-from prefixserve.model.linear import linear
-from prefixserve.model.native.fused_pointwise import FusedPointwise, load
-from prefixserve.model.native.small_m_gemm import MAX_ROWS, SmallMGemm
-from prefixserve.model.native.small_m_gemm import load as load_gemm
+from prefixserve.platforms.cpu.linear import linear
+from prefixserve.platforms.cpu.native.fused_pointwise import FusedPointwise, load
+from prefixserve.platforms.cpu.native.small_m_gemm import MAX_ROWS, SmallMGemm
+from prefixserve.platforms.cpu.native.small_m_gemm import load as load_gemm
 
 BF16_HALF_ULP = 2.0 ** -8  # relative: half the spacing of bfloat16's 8-bit significand
 
@@ -138,7 +138,7 @@ def test_bf16_linear_takes_the_kernel_for_few_rows(gemm: SmallMGemm, monkeypatch
     """Row-major bfloat16 weights (where the CPU has avx512_bf16 the model's are packed instead), up to
     its row limit."""
     calls = []
-    monkeypatch.setattr("prefixserve.model.linear.default_kernel",
+    monkeypatch.setattr("prefixserve.platforms.cpu.linear.default_kernel",
                         lambda: (lambda *a: calls.append(a[0].shape[0]) or gemm(*a)))
     w = torch.randn(40, 64).bfloat16()
     for rows in (1, MAX_ROWS, MAX_ROWS + 1):

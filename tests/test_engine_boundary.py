@@ -13,35 +13,17 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "prefixserve"
+from import_walker import ROOT, imported_names, names_any
+
 FORBIDDEN = ("prefixserve.kv", "prefixserve.scheduler", "prefixserve.worker", "prefixserve.model")
 MODULES = sorted((ROOT / "entrypoints").rglob("*.py")) + [ROOT / "benchmarks" / "engines" / "prefixserve_engine.py"]
 # The replicas drive engines too (the router and its index may use kv's hasher and events).
 MODULES += [ROOT / "replicas" / f"{name}.py" for name in ("deployment", "front", "service", "args", "metrics")]
 
 
-def imported_names(path: Path) -> list[tuple[int, str]]:
-    """(line, dotted module) of every import in the file, relative imports resolved."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    package = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts[:-1])
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
-            found.append((node.lineno, base))
-            # `from prefixserve import kv` names the module in the alias
-            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
-    return found
-
-
 def violations(path: Path) -> list[str]:
     bad = [f"{path.name}:{line} imports {name}" for line, name in imported_names(path)
-           if any(name == f or name.startswith(f + ".") for f in FORBIDDEN)]
+           if names_any(name, FORBIDDEN)]
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if not isinstance(node, ast.Attribute):

@@ -1,4 +1,4 @@
-"""A pool of panels (kv_layout.py) against the pool of rows it lays out: the word layout written out by
+"""A pool of panels (platforms/cpu/panels.py) against the pool of rows it lays out: the word layout written out by
 hand, the torch writes and gathers, and the native kernels' bits. Reading K/V where they lie in panels
 instead of transposing rows must change no bit of any output: the rows kernels are the oracle here (they
 are held to float64 references in test_model_paged_decode_attention.py and
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from native_kernel_build import build_fresh
-from prefixserve.model.kv_layout import PANELS, ROWS, gather_rows, kv_cache_shape, pool_geometry, to_layout, \
-    write_kv
-from prefixserve.model.native import paged_decode_attention, paged_prefill_attention
-from prefixserve.model.native.isa import AVX2, AVX512, best_isa, reads_panels
-from prefixserve.model.native.paged_decode_attention import DecodeState, PagedDecodeAttention
+from prefixserve.model.kv_layout import ROWS, gather_rows, kv_cache_shape, pool_geometry, to_layout, write_kv
+from prefixserve.platforms.cpu.native import paged_decode_attention, paged_prefill_attention
+from prefixserve.platforms.cpu.native.isa import AVX2, AVX512, best_isa, reads_panels
+from prefixserve.platforms.cpu.native.paged_decode_attention import DecodeState, PagedDecodeAttention
+from prefixserve.platforms.cpu.panels import PANELS
 
 
 def _read_here(dtype: torch.dtype):
@@ -81,7 +81,7 @@ def test_the_native_writers_put_each_word_where_write_kv_does(tmp_path_factory, 
                                                                dtype: torch.dtype) -> None:
     """A prefill's `write_panels` and a decode step's `qk_norm_rope` into a pool of panels: bit for bit the
     pool torch's write_kv (the layout's definition, above) makes of the same K/V, nothing else touched."""
-    from prefixserve.model.native import fused_pointwise
+    from prefixserve.platforms.cpu.native import fused_pointwise
     writer = build_fresh(fused_pointwise.load, tmp_path_factory)
     gen = torch.Generator().manual_seed(block_size)
     q_heads, kv_heads, d, blocks, tokens = 4, 2, 64, 5, 37

@@ -14,7 +14,7 @@ from prefixserve.model.attention.backend import AttentionBackend
 from prefixserve.model.attention.metadata import AttentionMetadata
 from prefixserve.model.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata, attention_with_lse, \
     reference_attention_with_lse
-from prefixserve.model.native.build import buildable
+from prefixserve.platforms.cpu.native.build import buildable
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 8
 BLOCK_SIZE, NUM_BLOCKS = 4, 40

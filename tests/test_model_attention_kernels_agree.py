@@ -15,8 +15,8 @@ import torch
 from native_kernel_build import build_fresh
 from prefixserve.model.attention.metadata import AttentionMetadata
 from prefixserve.model.attention.torch_paged import TorchPagedAttention
-from prefixserve.model.native import paged_decode_attention, paged_prefill_attention
-from prefixserve.model.native.isa import ISAS, best_isa
+from prefixserve.platforms.cpu.native import paged_decode_attention, paged_prefill_attention
+from prefixserve.platforms.cpu.native.isa import ISAS, best_isa
 
 BODIES = ISAS[: ISAS.index(best_isa()) + 1]
 

@@ -1,4 +1,4 @@
-"""The decode program (model/decode_program.py) against the model's module path, its oracle: every
+"""The decode program (platforms/cpu/decode_program.py) against the model's module path, its oracle: every
 decode-only step of a run gives the modules' final hidden states bit for bit, and where it does not
 apply the runner has none or does not use it."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.model.decode_program import DecodeProgram
-from prefixserve.model.native import decode_loop, packed_gemm
-from prefixserve.model.native.build import buildable, enabled
-from prefixserve.model.native.isa import AVX2, best_isa
+from prefixserve.platforms.cpu.decode_program import DecodeProgram
+from prefixserve.platforms.cpu.native import decode_loop, packed_gemm
+from prefixserve.platforms.cpu.native.build import buildable, enabled
+from prefixserve.platforms.cpu.native.isa import AVX2, best_isa
 
 # where the CPU runs the packed kernel, a kernel that fails to load fails these tests instead of skipping them
 RUNS_PACKED = enabled() and buildable() and best_isa() != AVX2

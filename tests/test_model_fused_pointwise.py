@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixserve.model import layers
+from prefixserve.platforms.cpu import platform as layers
 from prefixserve.model.layers import GatedMLP, RMSNorm
 from native_kernel_build import build_fresh, needs_kernel
-from prefixserve.model.native.fused_pointwise import FusedPointwise, load
-from prefixserve.model.native.isa import AVX2, ISAS, best_isa
+from prefixserve.platforms.cpu.native.fused_pointwise import FusedPointwise, load
+from prefixserve.platforms.cpu.native.isa import AVX2, ISAS, best_isa
 
 BODIES = ISAS[: ISAS.index(best_isa()) + 1]
 

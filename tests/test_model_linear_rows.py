@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import prefixserve.model.decoder as decoder_mod
-import prefixserve.model.linear as linear_mod
+import prefixserve.platforms.cpu.linear as linear_mod
+import prefixserve.platforms.cpu.platform as decoder_mod
 from prefixserve.engine.config import EngineConfig
 from prefixserve.engine.llm_engine import LLMEngine
-from prefixserve.model.linear import (EXACT_ROWS, PRIMITIVE_CACHE_CAPACITY, ROW_STEP_MIN, STEPS_PER_OCTAVE,
+from prefixserve.platforms.cpu.linear import (EXACT_ROWS, PRIMITIVE_CACHE_CAPACITY, ROW_STEP_MIN, STEPS_PER_OCTAVE,
                                       linear, onednn_rows)
-from prefixserve.model.native.small_m_gemm import MAX_ROWS
+from prefixserve.platforms.cpu.native.small_m_gemm import MAX_ROWS
 from prefixserve.sampling_params import SamplingParams
 
 
@@ -104,7 +104,7 @@ def test_both_primitive_caches_are_bounded_before_onednn_is_first_used() -> None
     script = textwrap.dedent(f"""
         import os
         import torch
-        import prefixserve.model.linear as linear_mod
+        import prefixserve.platforms.cpu.linear as linear_mod
         print("capacities", os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], os.environ["LRU_CACHE_CAPACITY"])
         w = torch.ones(8, 8)
         def build(m):

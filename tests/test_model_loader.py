@@ -17,7 +17,7 @@ from prefixserve.model.errors import (InvalidModelConfigError, MissingTensorErro
                                       UnsupportedModelError)
 from prefixserve.model.kv_layout import kv_cache_shape
 from prefixserve.model.loader import load_model
-from prefixserve.model.packed_weight import matrix
+from prefixserve.model.prepared_weight import matrix
 from prefixserve.tokenizer import Tokenizer
 
 

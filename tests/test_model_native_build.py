@@ -1,4 +1,4 @@
-"""Building and loading the native kernels safely (`model/native/build.py`) and the kernel report.
+"""Building and loading the native kernels safely (`platforms/cpu/native/build.py`) and the kernel report.
 
 Real compilers and real files throughout: libraries planted where another user could have
 written them, cache folders that cannot be used, a library without the kernel's functions,
@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 
 from native_kernel_build import needs_kernel
-from prefixserve.model.native import build, fused_pointwise, packed_gemm, paged_decode_attention, paged_prefill_attention, \
-    row_argmax, decode_loop
-from prefixserve.model.native import report, small_m_gemm
-from prefixserve.model.native.isa import AVX2, best_isa
-from prefixserve.model.native.small_m_gemm import SmallMGemm, _agrees_with_torch
+from prefixserve.platforms.cpu.native import build, fused_pointwise, packed_gemm, paged_decode_attention, \
+    paged_prefill_attention, row_argmax, decode_loop
+from prefixserve.platforms.cpu.native import report, small_m_gemm
+from prefixserve.platforms.cpu.native.isa import AVX2, best_isa
+from prefixserve.platforms.cpu.native.small_m_gemm import SmallMGemm, _agrees_with_torch
 
 NAME = "small_m_gemm"   # the quickest kernel to build
 DEFAULTS = (small_m_gemm, packed_gemm, paged_decode_attention, paged_prefill_attention, fused_pointwise, row_argmax,

@@ -1,4 +1,4 @@
-"""The packed GEMM and the packed weights it reads (native/packed_gemm.c, model/packed_weight.py), in
+"""The packed GEMM and the packed weights it reads (native/packed_gemm.c, platforms/cpu/packed_weight.py), in
 each dtype it has a body for that this CPU runs (float32 with AVX-512, bfloat16 with avx512_bf16; on a CPU
 with AMX, bfloat16 of a k that is a multiple of 32 runs the tile body, whose tiling is also checked on
 emulated tiles in test_model_packed_gemm_tiles.py).
@@ -17,11 +17,12 @@ import torch.nn.functional as F
 
 from native_kernel_build import build_fresh
 from prefixserve.model.hf_weights import hf_weight_targets
-from prefixserve.model.linear import linear
+from prefixserve.platforms.cpu.linear import linear
 from prefixserve.model.loader import load_model
-from prefixserve.model.native import build, packed_gemm
-from prefixserve.model.native.isa import AVX2, AVX512, best_isa
-from prefixserve.model.packed_weight import PackedWeight, embedding
+from prefixserve.platforms.cpu.native import build, packed_gemm
+from prefixserve.platforms.cpu.native.isa import AVX2, AVX512, best_isa
+from prefixserve.model.prepared_weight import embedding
+from prefixserve.platforms.cpu.packed_weight import PackedWeight
 from prefixserve.model.random_models import random_model
 
 PANEL = packed_gemm.PANEL

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from native_kernel_build import build_fresh
-from prefixserve.model.native import build, packed_gemm
-from prefixserve.model.native.isa import cpu_probe
+from prefixserve.platforms.cpu.native import build, packed_gemm
+from prefixserve.platforms.cpu.native.isa import cpu_probe
 
 def require_bfloat16_body() -> None:
     """Both builds run bfloat16 on avx512_bf16 code (the vector body, and the tile body's finish)."""
@@ -88,7 +88,7 @@ def test_the_emulated_build_is_cached_apart_from_the_plain_one(tmp_path) -> None
 # loads the emulated and the plain build in a fresh process (the library reads the environment when it loads)
 LOAD_AND_MULTIPLY = """
 import json, sys, torch
-from prefixserve.model.native import build, packed_gemm
+from prefixserve.platforms.cpu.native import build, packed_gemm
 operands = torch.load(sys.argv[1])
 n = operands["panels"].shape[0] * packed_gemm.PANEL
 results = {}

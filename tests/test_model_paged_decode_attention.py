@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from native_kernel_build import build_fresh
-from prefixserve.model.kv_layout import PANELS, ROWS, to_layout
-from prefixserve.model.native.isa import AVX512_BF16, ISAS, best_isa
-from prefixserve.model.native.paged_decode_attention import DecodeState, PagedDecodeAttention, load
+from prefixserve.model.kv_layout import ROWS, to_layout
+from prefixserve.platforms.cpu.native.isa import AVX512_BF16, ISAS, best_isa
+from prefixserve.platforms.cpu.native.paged_decode_attention import DecodeState, PagedDecodeAttention, load
+from prefixserve.platforms.cpu.panels import PANELS
 
 BODIES = ISAS[: ISAS.index(best_isa()) + 1]
 

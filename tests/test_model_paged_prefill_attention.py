@@ -11,10 +11,10 @@ import torch
 from prefixserve.model.attention.metadata import AttentionMetadata
 from prefixserve.model.attention.torch_paged import TorchPagedAttention
 from prefixserve.model.kv_layout import ROWS
-from prefixserve.model.native import paged_prefill_attention
+from prefixserve.platforms.cpu.native import paged_prefill_attention
 from native_kernel_build import build_fresh
-from prefixserve.model.native.isa import AVX2, AVX512_BF16, ISAS, best_isa
-from prefixserve.model.native.paged_prefill_attention import PagedPrefillAttention, _agrees_with_torch, load
+from prefixserve.platforms.cpu.native.isa import AVX2, AVX512_BF16, ISAS, best_isa
+from prefixserve.platforms.cpu.native.paged_prefill_attention import PagedPrefillAttention, _agrees_with_torch, load
 
 
 BODIES = ISAS[: ISAS.index(best_isa()) + 1]

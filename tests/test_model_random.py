@@ -7,7 +7,7 @@ from prefixserve.model.attention.metadata import AttentionMetadata
 from prefixserve.model.decoder import CausalLM
 from prefixserve.model.kv_layout import kv_cache_shape
 from prefixserve.model.loader import load_model
-from prefixserve.model.packed_weight import matrix
+from prefixserve.model.prepared_weight import matrix
 from prefixserve.model.random_models import RANDOM_PRESETS
 from prefixserve.tokenizer import Tokenizer
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from native_kernel_build import build_fresh
-from prefixserve.model.native.row_argmax import RowArgmax, load
+from prefixserve.platforms.cpu.native.row_argmax import RowArgmax, load
 from prefixserve.worker.sampler import Sampler, SamplingRow
 from prefixserve.sampling_params import SamplingParams
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixserve.model.linear import linear
+from prefixserve.platforms.cpu.linear import linear
 from native_kernel_build import build_fresh, needs_kernel
-from prefixserve.model.native.build import build, compiler, cpu_supported
-from prefixserve.model.native.small_m_gemm import MAX_ROWS, SmallMGemm, default_kernel, load
+from prefixserve.platforms.cpu.native.build import build, compiler, cpu_supported
+from prefixserve.platforms.cpu.native.small_m_gemm import MAX_ROWS, SmallMGemm, default_kernel, load
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -62,7 +62,7 @@ def test_linear_uses_the_kernel_for_few_rows_only(monkeypatch) -> None:
     calls = []
     real = default_kernel()
     assert real is not None, "the kernel must build on a machine that can build it"
-    monkeypatch.setattr("prefixserve.model.linear.default_kernel",
+    monkeypatch.setattr("prefixserve.platforms.cpu.linear.default_kernel",
                         lambda: (lambda *a: calls.append(a[0].shape[0]) or real(*a)))
     w = torch.randn(40, 64)
     for rows in (1, MAX_ROWS, MAX_ROWS + 1):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from native_kernel_build import build_fresh
-from prefixserve.model.native.small_m_gemm import (AVX2, AVX512, MAX_ROWS, MAX_ROWS_BY_ISA, SmallMGemm, best_isa,
-                                                   load, runnable_isas)
+from prefixserve.platforms.cpu.native.small_m_gemm import (AVX2, AVX512, MAX_ROWS, MAX_ROWS_BY_ISA, SmallMGemm,
+                                                            best_isa, load, runnable_isas)
 
 ISAS = runnable_isas()
 

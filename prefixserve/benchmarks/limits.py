@@ -14,8 +14,8 @@ import torch
 from prefixserve.benchmarks.timing import best_seconds
 from prefixserve.benchmarks.workloads import Workload
 from prefixserve.model import ModelConfig
-from prefixserve.model.linear import linear
-from prefixserve.model.packed_weight import PackedWeight, applies as packing_applies
+from prefixserve.platforms.cpu.linear import linear
+from prefixserve.platforms.cpu.packed_weight import PackedWeight, applies as packing_applies
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from prefixserve.model.attention.metadata import AttentionMetadata
 from prefixserve.model.config import ModelConfig, resolve_dtype
 from prefixserve.model.hf_weights import hf_weight_targets
 from prefixserve.model.kv_layout import kv_cache_shape
-from prefixserve.model.linear import linear
+from prefixserve.platforms.cpu.linear import linear
 from prefixserve.model.loader import LoadedModel, load_model
 
 BLOCK_SIZE = 16

@@ -27,8 +27,8 @@ from prefixserve.benchmarks.limits import MachineLimits, ModelCost, measure_limi
 from prefixserve.benchmarks.serving_memory import ServingMemory, ServingMemoryUnavailable, measure_serving_memory
 from prefixserve.benchmarks.workloads import WORKLOAD_NAMES, Workload, build_workload, without_salts
 from prefixserve.model import ModelConfig
-from prefixserve.model.native import packed_gemm
-from prefixserve.model.native.isa import cpu_fields, cpu_probe
+from prefixserve.platforms.cpu.native import packed_gemm
+from prefixserve.platforms.cpu.native.isa import cpu_fields, cpu_probe
 
 
 # KV pool of the prefixserve engines: room for every full workload's largest round without caching.

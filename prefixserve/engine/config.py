@@ -20,7 +20,7 @@ KV_LAYOUTS = ("auto", "rows", "panels")
 class EngineConfig:
     model: str = "random:qwen3-tiny"
     # auto: bfloat16 on a CPU with AMX, or with avx512_bf16 where a bfloat16 matmul is measured
-    # clearly faster; float32 on other CPUs (model/dtype_choice.py)
+    # clearly faster; float32 on other CPUs (platforms/cpu/dtype_choice.py)
     dtype: str = "auto"
     device: str = "cpu"
     # A registered attention backend's name, or "auto": the fastest one for the device and dtype.

@@ -27,8 +27,8 @@ from prefixserve.errors import (CachedContentLimitError, ConflictError, Duplicat
 from prefixserve.kv import KVCacheConfig, KVCacheManager
 from prefixserve.kv.events import KVEventBatch, KVEventLog
 from prefixserve.model.config import dtype_name
-from prefixserve.model.dtype_choice import choose_dtype
 from prefixserve.model.loader import load_model
+from prefixserve.model.platform import platform_for
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, child_request_id
 from prefixserve.structured.constraint import Constraint
@@ -89,7 +89,7 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         self.device = resolve_device(config.device)
-        self.dtype_choice = choose_dtype(config.dtype, self.device)
+        self.dtype_choice = platform_for(self.device).choose_dtype(config.dtype, self.device)
         self.loaded = load_model(config.model, dtype=self.dtype_choice.dtype, seed=config.seed, device=self.device,
                                  attention_backend=config.attention_backend)
         self.model_config = self.loaded.config

@@ -71,9 +71,9 @@ class EngineInfo:
     max_model_len: int
     num_kv_blocks: int
     enable_prefix_caching: bool
-    # native CPU kernel -> {"active": bool, "reason": why not, ...} (model/native/report.py)
+    # native CPU kernel -> {"active": bool, "reason": why not, ...} (platforms/cpu/native/report.py)
     kernels: dict = field(default_factory=dict)
-    # why this dtype: "asked for explicitly", or what dtype="auto" found (model/dtype_choice.py)
+    # why this dtype: "asked for explicitly", or what dtype="auto" found (platforms/cpu/dtype_choice.py)
     dtype_reason: str = ""
     # the key scope of its KV stores ("" without stores): engines with equal scopes read each
     # other's stored blocks (kv/stores/scope.py)

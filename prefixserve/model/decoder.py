@@ -17,15 +17,13 @@ from prefixserve.model.attention.backend import AttentionBackend
 from prefixserve.model.attention.metadata import AttentionMetadata
 from prefixserve.model.attention.registry import AUTO, select_backend
 from prefixserve.model.config import ModelConfig
-from prefixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, empty_parameter, fused_kernel
-from prefixserve.model.linear import linear
-from prefixserve.model.packed_weight import applies as packing_applies
-from prefixserve.model.packed_weight import embedding, pack_attribute
+from prefixserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, empty_parameter
+from prefixserve.model.platform import Platform, platform_for
 
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend,
-                 *, dtype: torch.dtype, device: torch.device | str) -> None:
+                 *, dtype: torch.dtype, device: torch.device | str, platform: Platform) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -42,41 +40,39 @@ class Attention(nn.Module):
         self.o_bias = (empty_parameter(config.hidden_size, dtype=dtype, device=device)
                        if config.attention_output_bias else None)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, device=device, platform=platform)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype=dtype, device=device, platform=platform)
         else:
             self.q_norm = self.k_norm = None
+        self._linear, self._qk_norm_rope = platform.linear, platform.qk_norm_rope
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: Any) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = self._linear(x, self.qkv_proj, self.qkv_bias)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
-        q_weight, k_weight = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
-        kernel = fused_kernel(qkv, q_weight, k_weight, cos, sin, multiple=self.head_dim // 2)
-        if kernel is not None and self.head_dim % 16 == 0:
-            eps = 0.0 if self.q_norm is None else self.q_norm.eps
-            q, k = kernel.qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
-                                       q_weight, k_weight, eps, cos, sin)
+        if self.q_norm is None:
+            q_weight = k_weight = None
+            eps = 0.0
         else:
-            q = qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size: self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q_weight, k_weight, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        q, k = self._qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim, q_weight, k_weight, eps,
+                                  cos, sin)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return linear(out.view(tokens, self.q_size), self.o_proj, self.o_bias)
+        return self._linear(out.view(tokens, self.q_size), self.o_proj, self.o_bias)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend,
-                 *, dtype: torch.dtype, device: torch.device | str) -> None:
+                 *, dtype: torch.dtype, device: torch.device | str, platform: Platform) -> None:
         super().__init__()
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.self_attn = Attention(config, backend, dtype=dtype, device=device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device, platform=platform)
+        self.self_attn = Attention(config, backend, dtype=dtype, device=device, platform=platform)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device,
+                                                platform=platform)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype=dtype, device=device,
+                            platform=platform)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,15 +95,17 @@ class CausalLM(nn.Module):
                  attention_backend: AttentionBackend | str = AUTO) -> None:
         super().__init__()
         self.config = config
+        # the device's ops, weight preparation and kernels (model/platform.py)
+        self.platform = platform = platform_for(device)
         if isinstance(attention_backend, str):
             attention_backend = select_backend(attention_backend, device, dtype)
         # one instance shared by every layer: its per-step plan is built once and read by all
         self.attention_backend = backend = attention_backend
         self.embed_tokens = empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, dtype=dtype, device=device, platform=platform)
                                     for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device, platform=platform)
         self.lm_head = (self.embed_tokens if config.tie_word_embeddings
                         else empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
 
@@ -127,7 +125,7 @@ class CausalLM(nn.Module):
         if input_ids.shape != positions.shape or input_ids.dim() != 1:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
                              "must be equal-length 1-D tensors")
-        x = embedding(input_ids, self.embed_tokens)
+        x = self.platform.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -136,28 +134,12 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def pack_weights(self) -> bool:
-        """Re-lays every projection and the LM head for the packed GEMM, where the CPU and dtype
-        allow (model/packed_weight.py); True if it packed any. A tied embedding shares the packed LM head.
-        Packed weights are left as they are, so a second call changes nothing."""
-        projections = [(module, name) for layer in self.layers
-                       for module, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                                            (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj"))]
-        packed = False
-        for module, name in projections:
-            # a shape the kernel cannot take (an odd row length) stays row-major
-            if packing_applies(getattr(module, name)):
-                pack_attribute(module, name)
-                packed = True
-        if packing_applies(self.lm_head):
-            tied = self.lm_head is self.embed_tokens
-            head = pack_attribute(self, "lm_head")
-            if tied:
-                del self.embed_tokens
-                self.embed_tokens = head
-            packed = True
-        return packed
+        """Re-lays the projections and the LM head for the platform's kernels, where its device and dtype
+        allow (the CPU's packed GEMM: platforms/cpu/packed_weight.py); True if it changed any. Prepared
+        weights are left as they are, so a second call changes nothing."""
+        return self.platform.prepare_weights(self)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the given rows only (the caller selects the rows to sample)."""
         # A strided row selection makes low-precision oneDNN matmuls very slow; feed a dense copy.
-        return linear(hidden.contiguous(), self.lm_head, widened=True)
+        return self.platform.linear(hidden.contiguous(), self.lm_head, widened=True)

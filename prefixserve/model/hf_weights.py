@@ -6,7 +6,7 @@ import re
 import torch
 
 from prefixserve.model.decoder import CausalLM
-from prefixserve.model.packed_weight import matrix
+from prefixserve.model.prepared_weight import matrix
 
 # Buffers some older checkpoints saved; we recompute them from the config.
 _DERIVED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")

@@ -1,5 +1,8 @@
 """Building blocks shared by every decoder family: RMSNorm, rotary embedding, gated MLP.
 
+Their arithmetic is their platform's ops (model/platform.py), taken once at construction: the
+platform of their device unless one is handed in.
+
 Parameters are created uninitialised (torch.empty): their values always come
 from a checkpoint or from the seeded random initialiser, so a default init
 would only cost time (seconds for a 0.6B model).
@@ -9,20 +12,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from prefixserve.model.huge_pages import zeros_on_huge_pages
-from prefixserve.model.linear import linear
-from prefixserve.model.native.fused_pointwise import FusedPointwise, default_kernel
-
-
-def fused_kernel(*tensors: torch.Tensor | None, multiple: int = 8) -> FusedPointwise | None:
-    """The fused pointwise kernels where they can take these operands (and nothing needs gradients)."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return None
-    kernel = default_kernel()
-    return kernel if kernel is not None and FusedPointwise.supports(*tensors, multiple=multiple) else None
+from prefixserve.model.platform import Platform, platform_for
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -33,30 +26,21 @@ def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | str)
 class RMSNorm(nn.Module):
     """x / rms(x) * weight over the last dimension."""
 
-    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device | str,
+                 platform: Platform | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = empty_parameter(dim, dtype=dtype, device=device)
+        platform = platform or platform_for(device)
+        self._norm, self._add_norm = platform.rms_norm, platform.add_rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_contiguous() and (kernel := fused_kernel(x, self.weight)) is not None:
-            return kernel.rms_norm(x, self.weight, self.eps)
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Low precision: normalise in float32 and round once before the weight, the
-        # order HF uses, so bf16 outputs follow the reference implementation closely.
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self._norm(x, self.weight, self.eps)
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): the pre-norm block's residual stream and its normed input.
         The sum may be written into `residual` in place: callers hand over the tensor and use the one returned."""
-        if (x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape
-                and (kernel := fused_kernel(x, residual, self.weight)) is not None):
-            return kernel.rms_norm(x, self.weight, self.eps, residual=residual), residual
-        residual = residual + x
-        return self(residual), residual
+        return self._add_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -104,26 +88,18 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] -> rotated copy, contiguous."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
     def __init__(self, hidden_size: int, intermediate_size: int,
-                 *, dtype: torch.dtype, device: torch.device | str) -> None:
+                 *, dtype: torch.dtype, device: torch.device | str, platform: Platform | None = None) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         # rows [0, I) are gate_proj, rows [I, 2I) are up_proj
         self.gate_up_proj = empty_parameter(2 * intermediate_size, hidden_size, dtype=dtype, device=device)
         self.down_proj = empty_parameter(hidden_size, intermediate_size, dtype=dtype, device=device)
+        platform = platform or platform_for(device)
+        self._linear, self._silu_and_mul = platform.linear, platform.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_proj)
-        if gate_up.dim() == 2 and gate_up.is_contiguous() and (kernel := fused_kernel(gate_up, multiple=16)):
-            return linear(kernel.silu_and_mul(gate_up), self.down_proj)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj)
+        return self._linear(self._silu_and_mul(self._linear(x, self.gate_up_proj)), self.down_proj)

@@ -1,7 +1,7 @@
 """Moving whole blocks of K/V between the pool and host buffers, for the KV stores.
 
 A block's payload is its K and V for every layer, as [layers, 2, *block] in the pool's dtype and
-layout (model/kv_layout.py: a block of rows [block_size, kv_heads, head_dim], or of panels),
+layout (model/kv_layout.py: a block of rows [block_size, kv_heads, head_dim], or of a platform's layout),
 little-endian as the pool holds it: the layout named by `payload_layout`, which is part of every
 stored block's key scope, so a pool of one layout never reads blocks stored from the other.
 """
@@ -13,15 +13,11 @@ import numpy as np
 import torch
 
 from prefixserve.model.config import ModelConfig
-from prefixserve.model.kv_layout import PANELS, ROWS
+from prefixserve.model.kv_layout import ROWS, layout_named
 
 
 def payload_layout(config: ModelConfig, block_size: int, layout: str = ROWS) -> str:
-    if layout == PANELS:
-        return (f"L{config.num_hidden_layers}x[K,V]x{config.num_key_value_heads}x{block_size}"
-                f"x{config.head_dim}/panels-v1")
-    return (f"L{config.num_hidden_layers}x[K,V]x{block_size}x{config.num_key_value_heads}"
-            f"x{config.head_dim}/pool-v1")
+    return layout_named(layout).payload_name(config, block_size)
 
 
 @torch.inference_mode()

@@ -20,11 +20,10 @@ import numpy as np
 import torch
 
 from prefixserve.model.attention.metadata import AttentionMetadata, token_layout
-from prefixserve.model.decode_program import DecodeProgram
 from prefixserve.model.huge_pages import zeros_on_huge_pages
-from prefixserve.model.kv_layout import PANELS, ROWS, kv_cache_bytes_per_block, kv_cache_shape, panels_fit
+from prefixserve.model.kv_layout import kv_cache_bytes_per_block, kv_cache_shape
 from prefixserve.model.loader import LoadedModel
-from prefixserve.model.native.report import load_all
+from prefixserve.model.platform import platform_for
 from prefixserve.worker.block_tables import BlockTables
 from prefixserve.worker.sampler import SampleResult, Sampler, SamplingRow
 
@@ -61,20 +60,6 @@ def num_blocks_for_memory(loaded: LoadedModel, block_size: int, kv_cache_memory:
     return kv_cache_memory // per_block
 
 
-def choose_kv_layout(requested: str, model, dtype: torch.dtype, block_size: int, device: torch.device) -> str:
-    """The pool's layout (model/kv_layout.py): panels where asked for or, with "auto", wherever the model's
-    attention backend reads them on this CPU; rows otherwise."""
-    fits = (device.type == "cpu" and panels_fit(dtype, block_size, model.config.head_dim)
-            and hasattr(model.attention_backend, "reads_panels") and model.attention_backend.reads_panels(dtype))
-    if requested == PANELS and not fits:
-        raise ValueError("kv_layout='panels' needs a model on a CPU whose attention kernels read its dtype's panels "
-                         "(bfloat16: the avx512_bf16 tiles; float32: the AVX-512 tiles), with block_size and "
-                         "head_dim multiples of 16")
-    if requested == "auto":
-        return PANELS if fits else ROWS
-    return requested
-
-
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, *, block_size: int, num_blocks: int,
                  vocab_limit: int | None = None, seed: int = 0, kv_layout: str = "auto") -> None:
@@ -85,7 +70,10 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         # the model was loaded onto the engine's device: the pool, inputs and sampling follow it
         self.device = next(self.model.parameters()).device
-        self.kv_layout = choose_kv_layout(kv_layout, self.model, self.dtype, block_size, self.device)
+        # the device's kernels, KV layouts and decode program (model/platform.py)
+        self.platform = platform_for(self.device)
+        # the pool's layout (model/kv_layout.py): what "auto" picks is the platform's call
+        self.kv_layout = self.platform.choose_kv_layout(kv_layout, self.model, self.dtype, block_size)
         shape = kv_cache_shape(self.config, num_blocks, block_size, self.kv_layout)
         # zeros, not empty: a slot read before it is written must never hold NaNs
         # that a masked-out attention weight of 0 would still turn into NaN.
@@ -100,9 +88,9 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         # Built now, not on the first request: the first request is not slowed by compiles,
         # and which kernels are active (and why not) is known from the start.
-        self.kernels = load_all() if self.device.type == "cpu" else {}
-        # decode-only steps as one fixed sequence of kernel calls, where the model and kernels allow
-        self.decode_program = DecodeProgram.build(self.model, self.kv_caches, self.kv_layout)
+        self.kernels = self.platform.load_kernels()
+        # decode-only steps as one fixed sequence of kernel calls, where the platform, model and kernels allow
+        self.decode_program = self.platform.decode_program(self.model, self.kv_caches, self.kv_layout)
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from prefixserve.model.native import row_argmax
+from prefixserve.model.platform import platform_for
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.structured.constraint import Constraint
 from prefixserve.structured.mask import add_bias
@@ -59,6 +59,8 @@ class Sampler:
         self.vocab_limit = vocab_limit
         # Where the logits arrive and sampling happens: every generator used here lives there too.
         self.device = torch.device(device)
+        # torch.argmax over each row, through the platform's kernel where it takes the logits (the same answer)
+        self._argmax = platform_for(self.device).row_argmax
         # Whether start_masks hands the grammar masks to the worker thread (see ModelRunner).
         self.overlap_masks = overlap_masks
         self.mask_worker = MaskWorker()
@@ -103,7 +105,7 @@ class Sampler:
                 errors[i] = exc
         self._apply_constraints(logits, rows, errors, masks)
 
-        tokens = _argmax(logits)
+        tokens = self._argmax(logits)
         if random_rows:
             probs = self._random_probs(logits, rows, random_rows, errors)
             for i in random_rows:
@@ -240,11 +242,3 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """torch.argmax over each row, through the native kernel where it takes the logits (the same answer)."""
-    kernel = row_argmax.default_kernel()
-    if kernel is not None and kernel.supports(logits):
-        return kernel(logits)
-    return torch.argmax(logits, dim=-1)

@@ -1,18 +1,20 @@
-"""Paged attention in PyTorch ops and the project's CPU kernels (and a reference for faster backends).
+"""Paged attention in PyTorch ops and a platform's kernels (and a reference for faster backends).
 
-Writes go through one indexed copy per pool (in the pool's layout: kv_layout.write_kv, natively
-for panels). Reads: every chunk of more than one query token in the step (fresh prompts and
-chunks continuing a cached context) is answered by one call of the native prefill kernel, which reads K/V straight
-from the pool (`native/paged_prefill_attention.c`); without it, each chunk
-gathers its sequence's blocks and runs one SDPA call. Every decode token of the
+Writes go through one indexed copy per pool (in the pool's layout: kv_layout.write_kv), or the
+platform's writer where it takes the pool. Reads: every chunk of more than one query token in the step
+(fresh prompts and chunks continuing a cached context) is answered by one call of the platform's prefill
+kernel, which reads K/V straight from the pool (the CPU's: `platforms/cpu/native/paged_prefill_attention.c`);
+without it, each chunk gathers its sequence's blocks and runs one SDPA call. Every decode token of the
 step (query length 1) is answered together, reading each run of blocks shared
-by several sequences once (see cascade.py) and the rest through the native
+by several sequences once (see cascade.py) and the rest through the platform's
 decode kernel, which carries on from the run's state, or one padded gather. The decode plan is built once per step
-(`build_metadata`) and travels in this backend's own metadata type.
+(`build_metadata`) and travels in this backend's own metadata type. How the kernels are driven is the
+platform's (paged_kernels.py); this module names none.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,12 +22,10 @@ import torch.nn.functional as F
 from prefixserve.model.attention.backend import AttentionBackend
 from prefixserve.model.attention.cascade import DecodePlan, plan_decode
 from prefixserve.model.attention.metadata import AttentionMetadata
+from prefixserve.model.attention.paged_kernels import PagedDecodeKernel, PagedKernel, PagedKernels
 from prefixserve.model.attention.registry import register_backend
-from prefixserve.model.kv_layout import PANELS, ROWS, gather_rows, pool_geometry, write_kv
-from prefixserve.model.native import isa
-from prefixserve.model.native import fused_pointwise, paged_prefill_attention
-from prefixserve.model.native.paged_decode_attention import DecodeState, KernelTables, PagedDecodeAttention, \
-    default_kernel
+from prefixserve.model.kv_layout import ROWS, gather_rows, pool_geometry, write_kv
+from prefixserve.model.platform import platform_for
 
 
 class GatherBuffer:
@@ -64,88 +64,95 @@ class GatherBuffer:
         return keys.flatten(0, 1), values.flatten(0, 1)
 
 
-@dataclass(frozen=True)
-class NativeDecodeTables:
-    """A decode plan's tables as the native kernel takes them, checked once per step for every layer."""
-    suffix: KernelTables
-    runs: tuple[KernelTables, ...]   # one per shared run, with its members
-
-
 @dataclass
 class TorchPagedMetadata:
     """The torch backend's per-step metadata: the generic fields, the step's decode plan and, with the
-    native kernel, its tables."""
+    platform's decode kernel, its tables (PagedKernels.decode_tables)."""
     common: AttentionMetadata
     decode: DecodePlan | None
-    native: NativeDecodeTables | None = None
+    native: Any = None
 
 
-# Plain torch ops run wherever torch does ("meta": models built for their shapes only); the native
-# kernels serve float32 on the CPU and step aside elsewhere. A faster backend for a device registers
+# Plain torch ops run wherever torch does ("meta": models built for their shapes only); a platform's
+# kernels serve its device and step aside elsewhere. A faster backend for a device registers
 # a higher rank.
 @register_backend("torch", devices=("cpu", "cuda", "mps", "xpu", "meta"),
                   dtypes=(torch.float32, torch.bfloat16, torch.float16), rank=0)
 class TorchPagedAttention(AttentionBackend):
-    def __init__(self, use_native: bool = True) -> None:
+    def __init__(self, use_native: bool = True, device: torch.device | str = "cpu") -> None:
+        """use_native: prefill chunks and decode read K/V straight from the pool through the kernels of
+        `device`'s platform, where it has them."""
         self._gather = GatherBuffer()
-        # prefill chunks and decode read K/V straight from the pool where the native kernels are available
-        self._decode_kernel = default_kernel() if use_native else None
-        self._prefill_kernel = paged_prefill_attention.default_kernel() if use_native else None
-        # writes into a pool of panels (torch's indexed copy through their strides: 8x the time)
-        self._writer = fused_pointwise.default_kernel() if use_native else None
+        self._kernels: PagedKernels | None = platform_for(device).paged_attention_kernels()
+        loaded: tuple[PagedDecodeKernel | None, PagedKernel | None, Any] = (
+            self._kernels.load() if use_native and self._kernels is not None else (None, None, None))
+        self._decode_kernel, self._prefill_kernel, self._writer = loaded
 
     @property
-    def decode_kernel(self) -> PagedDecodeAttention | None:
-        """The native decode kernel this backend runs where a step's metadata holds its tables."""
+    def decode_kernel(self) -> PagedDecodeKernel | None:
+        """The platform's decode kernel this backend runs where a step's metadata holds its tables."""
         return self._decode_kernel
 
-    def reads_panels(self, dtype: torch.dtype) -> bool:
-        """Whether both native kernels run tiles that read a pool of panels of `dtype` (kv_layout.py)."""
-        return (self._decode_kernel is not None and self._prefill_kernel is not None
-                and isa.reads_panels(self._decode_kernel.body, dtype) and isa.reads_panels(self._prefill_kernel.body, dtype))
+    def reads_layout(self, layout: str, dtype: torch.dtype) -> bool:
+        """Whether both kernels read a pool of `dtype` laid out in `layout` (rows: always, or no kernels)."""
+        return layout == ROWS or (self._kernels is not None
+                                  and self._kernels.reads(self._decode_kernel, self._prefill_kernel, layout, dtype))
 
     def build_metadata(self, common: AttentionMetadata) -> TorchPagedMetadata:
-        # the native kernel carries a run's state into a sequence's own blocks at a softmax tile's edge
-        kernel = self._decode_kernel
+        # the decode kernel carries a run's state into a sequence's own blocks at a softmax tile's edge
+        kernel, kernels = self._decode_kernel, self._kernels
         plan = plan_decode(common, kernel.tile_keys if kernel is not None else 1)
-        if plan is None or kernel is None or not plan.suffix_lens.is_cpu:
+        if plan is None or kernel is None or kernels is None:
             return TorchPagedMetadata(common, plan)
-        return TorchPagedMetadata(common, plan, NativeDecodeTables(
-            kernel.tables(plan.suffix_tables, plan.suffix_lens),
-            tuple(kernel.tables(run.blocks[None], run.tokens, run.members) for run in plan.shared)))
+        return TorchPagedMetadata(common, plan, kernels.decode_tables(kernel, plan))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 step: TorchPagedMetadata, scale: float) -> torch.Tensor:
         meta = step.common
         layout = meta.kv_layout
-        if layout == PANELS and self._writer is not None and kv_cache.is_cpu:
-            self._writer.write_panels(kv_cache, meta.slot_mapping, k, v)
-        else:
+        kernels = self._kernels
+        if self._writer is None or kernels is None or not kernels.write(self._writer, kv_cache, layout, meta.slot_mapping, k, v):
             write_kv(kv_cache, layout, meta.slot_mapping, k, v)
 
         out = q.new_empty(q.shape)
         if meta.max_query_len > 1:
             kernel = self._prefill_kernel
-            if kernel is not None and kernel.supports(q, kv_cache) and (layout == ROWS or self.reads_panels(kv_cache.dtype)):
-                # every chunk of the step in one call, K/V read from the pool (its own already written there)
-                kernel.for_layout(layout)(q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-                                          out=out,
-                       min_query_len=2, scratch=lambda n: self._gather.flat(n, torch.float32, q.device))
-            else:
+            # every chunk of the step in one call, K/V read from the pool (its own already written there)
+            if not (kernel is not None and kernels is not None and self.reads_layout(layout, kv_cache.dtype)
+                    and kernels.prefill(kernel, q, kv_cache, meta, scale, out,
+                                        lambda n: self._gather.flat(n, torch.float32, q.device))):
                 self._prefill(q, k, v, kv_cache, meta, scale, out)
         plan = step.decode
         if plan is not None:
             kernel = self._decode_kernel
             if kernel is not None and (step.native is None or not kernel.supports(q, kv_cache)
-                                       or (layout == PANELS and not self.reads_panels(kv_cache.dtype))):
+                                       or not self.reads_layout(layout, kv_cache.dtype)):
                 kernel = None
-            result = _decode(q if plan.all_rows else q.index_select(0, plan.rows), kv_cache, layout, plan, scale,
-                             self._gather, kernel and kernel.for_layout(layout), step.native)
+            rows = q if plan.all_rows else q.index_select(0, plan.rows)
+            result = self._decode(rows, kv_cache, layout, plan, scale, kernel, step.native)
             if plan.all_rows:
                 out.copy_(result)
             else:
                 out.index_copy_(0, plan.rows, result.to(out.dtype))
         return out
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, layout: str, plan: DecodePlan, scale: float,
+                kernel: PagedDecodeKernel | None, tables: Any) -> torch.Tensor:
+        """Single-token queries q [N, H, D] over their contexts, each shared run read once.
+
+        The G query heads of a KV head are laid out as G query rows of that head, so
+        grouped-query attention needs no K/V expansion.
+        """
+        n, num_heads, head_dim = q.shape
+        num_kv_heads = pool_geometry(kv_cache, layout)[2]
+        group = num_heads // num_kv_heads
+        # float32 until the result is rounded once: in bfloat16 a second rounding flips greedy tokens
+        queries = q.view(n, num_kv_heads, group, head_dim).float()
+        if kernel is not None and self._kernels is not None:
+            out = self._kernels.decode(kernel, queries, kv_cache, layout, plan, tables, scale)
+        else:
+            out = _decode_gathered(queries, kv_cache, layout, plan, scale, self._gather)
+        return out.reshape(n, num_heads, head_dim)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
@@ -167,24 +174,6 @@ class TorchPagedAttention(AttentionBackend):
             start += q_len
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layout: str, plan: DecodePlan, scale: float,
-            gather: GatherBuffer, kernel: PagedDecodeAttention | None,
-            tables: NativeDecodeTables | None) -> torch.Tensor:
-    """Single-token queries q [N, H, D] over their contexts, each shared run read once.
-
-    The G query heads of a KV head are laid out as G query rows of that head, so
-    grouped-query attention needs no K/V expansion.
-    """
-    n, num_heads, head_dim = q.shape
-    num_kv_heads = pool_geometry(kv_cache, layout)[2]
-    group = num_heads // num_kv_heads
-    # float32 until the result is rounded once: in bfloat16 a second rounding flips greedy tokens
-    queries = q.view(n, num_kv_heads, group, head_dim).float()
-    if kernel is not None:
-        return _decode_native(queries, kv_cache, plan, tables, scale, kernel).reshape(n, num_heads, head_dim)
-    return _decode_gathered(queries, kv_cache, layout, plan, scale, gather).reshape(n, num_heads, head_dim)
-
-
 def _stacked(queries: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
     """Every member's queries as rows of one task per KV head: [1, KVH, m * G, D]."""
     _, num_kv_heads, group, head_dim = queries.shape
@@ -196,26 +185,9 @@ def _unstacked(x: torch.Tensor, m: int) -> torch.Tensor:
     return x.view(x.shape[1], m, -1, *x.shape[3:]).transpose(0, 1)
 
 
-def _decode_native(queries: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, tables: NativeDecodeTables,
-                   scale: float, kernel: PagedDecodeAttention) -> torch.Tensor:
-    """Each shared run once for all its members (their queries stacked as the rows of one task per KV
-    head, read and written in place by the kernel), then every sequence's own blocks carrying on from
-    where its run left the online softmax. The kernel treats every row alike whatever the rows beside
-    it, so each sequence gets the bits one pass over its whole context gives: caching on (a run) and
-    off (no run) agree exactly."""
-    state = None
-    if plan.shared:
-        # rows in no run carry on from an empty softmax; runs write every row of their members
-        state = DecodeState.fresh(queries.shape, filled=not plan.runs_cover_all)
-        for run_tables in tables.runs:
-            kernel.run_partial(queries, kv_cache, run_tables, scale, state)
-    out, _ = kernel.run(queries, kv_cache, tables.suffix, scale, carry=state)
-    return out
-
-
 def _decode_gathered(queries: torch.Tensor, kv_cache: torch.Tensor, layout: str, plan: DecodePlan, scale: float,
                      gather: GatherBuffer) -> torch.Tensor:
-    """Without the native kernel: the suffixes through one padded gather, each shared run through one
+    """Without the platform's decode kernel: the suffixes through one padded gather, each shared run through one
     gather, merged exactly through their log-sum-exps (the cascade / split-K trick of FlashInfer and
     flash-decoding; equal to one pass up to float32 rounding, not bit for bit)."""
     n, num_kv_heads, group, head_dim = queries.shape

@@ -26,12 +26,14 @@ from dataclasses import dataclass
 import torch
 
 from prefixserve.model.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata
-from prefixserve.model.kv_layout import LAYOUT_CODES, PANELS, pool_geometry
-from prefixserve.model.native import decode_loop, fused_pointwise, packed_gemm
-from prefixserve.model.native.decode_loop import AttentionCall, DecodeLayer, DecodeLoop, DecodeStep, address
-from prefixserve.model.native.fused_pointwise import check_slots
-from prefixserve.model.native.paged_decode_attention import DecodeState, PagedDecodeAttention
-from prefixserve.model.packed_weight import PackedWeight, embedding
+from prefixserve.model.kv_layout import pool_geometry
+from prefixserve.model.prepared_weight import embedding
+from prefixserve.platforms.cpu.native import decode_loop, fused_pointwise, packed_gemm
+from prefixserve.platforms.cpu.native.decode_loop import AttentionCall, DecodeLayer, DecodeLoop, DecodeStep, address
+from prefixserve.platforms.cpu.native.fused_pointwise import check_slots
+from prefixserve.platforms.cpu.native.paged_decode_attention import DecodeState, PagedDecodeAttention
+from prefixserve.platforms.cpu.packed_weight import PackedWeight
+from prefixserve.platforms.cpu.panels import LAYOUT_CODES, PANELS
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ class DecodeProgram:
         # the torch backend itself: a subclass may attend otherwise in forward, which the program would skip
         attention = backend.decode_kernel if type(backend) is TorchPagedAttention else None
         if layout == PANELS and attention is not None:
-            attention = (attention.for_layout(PANELS) if kv_caches and backend.reads_panels(kv_caches[0].dtype)
+            attention = (attention.for_layout(PANELS) if kv_caches and backend.reads_layout(PANELS, kv_caches[0].dtype)
                          else None)
         config = model.config
         if (pointwise is None or gemm is None or attention is None or loop is None or config.head_dim % 16

@@ -1,10 +1,11 @@
 """Decode attention over the paged pool without gathering (`paged_decode_attention.c`).
 
-Used by the torch backend's decode path (`model/attention/torch_paged.py`) for float32 and
-bfloat16 pools on AVX2 CPUs: the gather-then-attend path reads K/V three times (and widens a
-bfloat16 copy), this kernel once, in the pool's own dtype, summing in float32 (the bfloat16 body
-rounds the probabilities to bfloat16 for P V, see attention_tiles.h). It runs the prefill kernel's
-tiles on the same body, so a token gets the same bits from either kernel.
+Used by the torch backend's decode path (`model/attention/torch_paged.py`, through
+`platforms/cpu/paged_attention.py`) for float32 and bfloat16 pools on AVX2 CPUs: the
+gather-then-attend path reads K/V three times (and widens a bfloat16 copy), this kernel once, in
+the pool's own dtype, summing in float32 (the bfloat16 body rounds the probabilities to bfloat16
+for P V, see attention_tiles.h). It runs the prefill kernel's tiles on the same body, so a token
+gets the same bits from either kernel.
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from prefixserve.model.kv_layout import LAYOUT_CODES, PANELS, ROWS, check_layout, pool_geometry
-from prefixserve.model.native.build import load_default, load_kernel
-from prefixserve.model.native.isa import AVX2, AVX512_BF16, BODY_CODES, ISAS, best_isa, reads_panels
+from prefixserve.model.kv_layout import ROWS, check_layout, pool_geometry
+from prefixserve.platforms.cpu.panels import LAYOUT_CODES, PANELS
+from prefixserve.platforms.cpu.native.build import load_default, load_kernel
+from prefixserve.platforms.cpu.native.isa import AVX2, AVX512_BF16, BODY_CODES, ISAS, best_isa, reads_panels
 
 
 @dataclass
@@ -88,7 +90,7 @@ class PagedDecodeAttention:
         return PagedDecodeAttention(self._library, body, self.layout)
 
     def for_layout(self, layout: str) -> "PagedDecodeAttention":
-        """The same library and tiles over pools laid out in `layout` (kv_layout.py)."""
+        """The same library and tiles over pools laid out in `layout` (model/kv_layout.py, panels.py)."""
         return self if layout == self.layout else PagedDecodeAttention(self._library, self.body, layout)
 
     @staticmethod
@@ -159,7 +161,7 @@ class PagedDecodeAttention:
         output unless `out` takes it in bfloat16, lse). The arguments hold addresses only: the caller keeps
         q (contiguous), the pool, the tables, the state, out and lse alive.
         A caller running the same call over every layer's pool (pools of one shape and dtype) checks once
-        and swaps the pool's pointer, argument 1 (model/decode_program.py, through native/decode_loop.c)."""
+        and swaps the pool's pointer, argument 1 (platforms/cpu/decode_program.py, through native/decode_loop.c)."""
         if carry is None:
             state = DecodeState.fresh(q.shape, filled=False)
         else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prefixserve.model.native import (build, decode_loop, fused_pointwise, packed_gemm, paged_decode_attention,
+from prefixserve.platforms.cpu.native import (build, decode_loop, fused_pointwise, packed_gemm, paged_decode_attention,
                                       paged_prefill_attention, row_argmax, small_m_gemm)
 
 _DEFAULT_KERNELS: dict[str, Callable[[], object]] = {

@@ -1,23 +1,24 @@
-"""Projection weights re-laid once, at load, for the packed GEMM (`native/packed_gemm.c`).
+"""Projection weights re-laid once, at load, for the packed GEMM (`native/packed_gemm.c`): the CPU
+platform's weight preparation.
 
 A model's projections (q/k/v, o, gate/up, down, the LM head) are packed in place where the CPU runs
 the kernel in the model's dtype (bfloat16 with avx512_bf16, float32 with AVX-512): the row-major
 parameter is replaced by a `PackedWeight` holding the same values in the kernel's panel layout, one
 copy, never both. Where the LM head is tied to the embedding, the
-embedding lookup reads its rows out of the packed panels (`embedding`), so the tied matrix is not kept
+embedding lookup reads its rows out of the packed panels (`PreparedWeight.rows`), so the tied matrix is not kept
 twice either. Whoever needs the matrix itself (exporting a checkpoint) gets `unpacked()`, a copy.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from prefixserve.model.huge_pages import zeros_on_huge_pages
-from prefixserve.model.native import packed_gemm
+from prefixserve.model.prepared_weight import PreparedWeight
+from prefixserve.platforms.cpu.native import packed_gemm
 
 
-class PackedWeight(nn.Module):
+class PackedWeight(PreparedWeight):
     """A bfloat16 or float32 weight [out_features, in_features] in panels of `packed_gemm.PANEL` output
     columns (`packed_gemm.panel_shape`)."""
 
@@ -85,21 +86,10 @@ def applies(weight: torch.Tensor | PackedWeight) -> bool:
             and weight.dtype in _dtypes() and weight.shape[1] % packed_gemm.STEP[weight.dtype] == 0)
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor | PackedWeight) -> torch.Tensor:
-    """F.embedding(ids, weight), for a row-major or a packed weight."""
-    if isinstance(weight, PackedWeight):
-        return weight.rows(ids).view(*ids.shape, weight.in_features)
-    return F.embedding(ids, weight)
-
-
-def matrix(weight: torch.Tensor | PackedWeight) -> torch.Tensor:
-    """The row-major matrix: the weight itself, or a packed weight's unpacked copy."""
-    return weight.unpacked() if isinstance(weight, PackedWeight) else weight
-
-
 def pack_attribute(module: nn.Module, name: str) -> PackedWeight:
     """Replaces the parameter `module.name` by its packed form, dropping the row-major one."""
     packed = PackedWeight(getattr(module, name))
     delattr(module, name)
     setattr(module, name, packed)
     return packed
+

@@ -48,7 +48,7 @@ from typing import Callable, Iterator, TypeVar
 
 import torch
 
-from prefixserve.model.native.isa import AVX2, best_isa
+from prefixserve.platforms.cpu.native.isa import AVX2, best_isa
 
 logger = logging.getLogger(__name__)
 K = TypeVar("K")

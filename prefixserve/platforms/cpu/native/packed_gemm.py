@@ -1,4 +1,4 @@
-"""The GEMM over packed weights (`packed_gemm.c`) behind `model/packed_weight.py`.
+"""The GEMM over packed weights (`packed_gemm.c`) behind `platforms/cpu/packed_weight.py`.
 
 Used for every projection of a bfloat16 model on a CPU with avx512_bf16 and of a float32 model on a CPU
 with AVX-512, at every row count: one kernel whose row results do not depend on the batch, so prefix
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from prefixserve.model.native.build import load_default, load_kernel
-from prefixserve.model.native.isa import AVX512, AVX512_BF16, best_isa
+from prefixserve.platforms.cpu.native.build import load_default, load_kernel
+from prefixserve.platforms.cpu.native.isa import AVX512, AVX512_BF16, best_isa
 
 PANEL = 64      # output columns per panel (the C file's PANEL)
 # elements of k per step of the kernel (the C file's STEP): a bfloat16 pair for vdpbf16ps, one float32 for FMA
@@ -65,7 +65,7 @@ class PackedGemm:
         self.tiles = bool(library.packed_gemm_tiles())
         self.tile_k = int(library.packed_gemm_tile_k())
         # per dtype (x, panels, bias or 0, y, m, n, k, threads); public, unchecked, for callers that check their
-        # operands once and call it many times (model/decode_program.py)
+        # operands once and call it many times (platforms/cpu/decode_program.py)
         self.functions, self._widened = {}, {}
         for dtype in self.dtypes:
             for table, name in ((self.functions, _FUNCTIONS[dtype]), (self._widened, _WIDENED[dtype])):

@@ -1,8 +1,8 @@
 """The decoder layer's pointwise work in one pass each (`fused_pointwise.c`): residual add + RMSNorm,
 per-head q/k norm + rotary embedding, SiLU-gated product.
 
-Used by `model/layers.py` and `model/decoder.py` for float32 and bfloat16 CPU tensors; the torch
-operators they replace take several passes over memory each (rotary embedding: seven), and in
+Used by the CPU platform's layer ops (`platforms/cpu/platform.py`) for float32 and bfloat16 CPU tensors;
+the torch operators they replace take several passes over memory each (rotary embedding: seven), and in
 bfloat16 each of those also converts to float32 and back.
 """
 from __future__ import annotations
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from prefixserve.model.kv_layout import LAYOUT_CODES, PANELS, ROWS, check_layout, panels_fit
-from prefixserve.model.native.build import load_default, load_kernel
-from prefixserve.model.native.isa import AVX2, ISAS, best_isa
+from prefixserve.model.kv_layout import ROWS, check_layout
+from prefixserve.platforms.cpu.panels import LAYOUT_CODES, PANELS, panels_fit
+from prefixserve.platforms.cpu.native.build import load_default, load_kernel
+from prefixserve.platforms.cpu.native.isa import AVX2, ISAS, best_isa
 
 _float_p, _long, _int, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
@@ -59,7 +60,7 @@ class FusedPointwise:
 
     def function(self, name: str, dtype: torch.dtype):
         """The C function `name` for `dtype` itself, unchecked: for callers that check their operands once
-        and call it many times (model/decode_program.py). The methods below are the checked calls."""
+        and call it many times (platforms/cpu/decode_program.py). The methods below are the checked calls."""
         return self._fns[name, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32]
 
     @staticmethod
@@ -105,7 +106,7 @@ class FusedPointwise:
         each head RMS-normed (when weights are given) and rotated by cos/sin [T, D / 2] (any view of those).
         pools = (k_pool, v_pool, slots): k is not returned but written into slot slots[t] of k_pool, and v (the
         k_heads heads after k in qkv, as they are) into the same slot of v_pool: pools of rows [S, k_heads, D]
-        or, with layout "panels", a pool's K and V [NB, k_heads, BS, D] (kv_layout.py)."""
+        or, with layout "panels", a pool's K and V [NB, k_heads, BS, D] (panels.py)."""
         tokens = qkv.shape[0]
         half = head_dim // 2
         heads = q_heads + (2 if pools is not None else 1) * k_heads
@@ -132,7 +133,7 @@ class FusedPointwise:
 
     def write_panels(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Tokens' K and V [T, KVH, D] (rows of any stride, each token's heads contiguous) into their slots of
-        one layer's pool of panels (kv_layout.py; K/V in the pool's dtype): what kv_layout.write_kv does,
+        one layer's pool of panels (panels.py; K/V in the pool's dtype): what kv_layout.write_kv does,
         natively."""
         _, _, kv_heads, _, head_dim = kv_cache.shape
         tokens, dtype = slots.shape[0], kv_cache.dtype

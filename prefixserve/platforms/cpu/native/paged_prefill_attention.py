@@ -1,8 +1,8 @@
 """Causal prefill attention over the paged pool, blocked like a GEMM (`paged_prefill_attention.c`).
 
-Used by the torch backend (`model/attention/torch_paged.py`) for every query chunk of more
-than one token in a step, fresh prompts and chunks continuing a cached context alike, for
-float32 and bfloat16 pools on AVX2 CPUs, through AVX-512 tiles where the CPU has them (a
+Used by the torch backend (`model/attention/torch_paged.py`, through `paged_attention.py`) for
+every query chunk of more than one token in a step, fresh prompts and chunks continuing a cached
+context alike, for float32 and bfloat16 pools on AVX2 CPUs, through AVX-512 tiles where the CPU has them (a
 bfloat16 pool's keys and values are multiplied as bfloat16 pairs with vdpbf16ps, against
 probabilities rounded to bfloat16, where the CPU has avx512_bf16, and widened to float32 as they
 are packed elsewhere). The CPU
@@ -20,9 +20,10 @@ from typing import Callable
 
 import torch
 
-from prefixserve.model.kv_layout import LAYOUT_CODES, PANELS, ROWS, check_layout, pool_geometry
-from prefixserve.model.native.build import load_default, load_kernel
-from prefixserve.model.native.isa import AVX2, BODY_CODES, ISAS, best_isa, reads_panels
+from prefixserve.model.kv_layout import ROWS, check_layout, pool_geometry
+from prefixserve.platforms.cpu.panels import LAYOUT_CODES, PANELS
+from prefixserve.platforms.cpu.native.build import load_default, load_kernel
+from prefixserve.platforms.cpu.native.isa import AVX2, BODY_CODES, ISAS, best_isa, reads_panels
 
 
 class PagedPrefillAttention:
@@ -30,7 +31,7 @@ class PagedPrefillAttention:
 
     Sequence b's queries are rows query_start_loc[b]:query_start_loc[b + 1] of q [T, H, D];
     they are the last of its seq_lens[b] positions, whose K/V are already in the pool
-    kv_cache (kv_layout.py: rows [2, num_blocks, block_size, KVH, D] or, for the AVX-512 tiles, panels)
+    kv_cache (model/kv_layout.py, panels.py: rows [2, num_blocks, block_size, KVH, D] or, for the AVX-512 tiles, panels)
     at the blocks tables[b]. Each query attends
     causally (to the keys up to its own position); query head j reads KV head j // (H / KVH).
     """
@@ -60,7 +61,7 @@ class PagedPrefillAttention:
         return PagedPrefillAttention(self._library, body, self.layout)
 
     def for_layout(self, layout: str) -> "PagedPrefillAttention":
-        """The same library and tiles over pools laid out in `layout` (kv_layout.py)."""
+        """The same library and tiles over pools laid out in `layout` (model/kv_layout.py, panels.py)."""
         return self if layout == self.layout else PagedPrefillAttention(self._library, self.body, layout)
 
     @staticmethod

@@ -1,5 +1,5 @@
-"""The layer loop of a bfloat16 or float32 decode step in C (`decode_loop.c`): `model/decode_program.py` lays out a
-step's operands in a `DecodeStep` and its layers' in `DecodeLayer`s, and one call runs every layer's
+"""The layer loop of a bfloat16 or float32 decode step in C (`decode_loop.c`): `platforms/cpu/decode_program.py`
+lays out a step's operands in a `DecodeStep` and its layers' in `DecodeLayer`s, and one call runs every layer's
 kernels, reached through their addresses."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import ctypes
 import functools
 from pathlib import Path
 
-from prefixserve.model.native.build import load_default, load_kernel
+from prefixserve.platforms.cpu.native.build import load_default, load_kernel
 
 _p, _long, _int, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 

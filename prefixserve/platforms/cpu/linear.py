@@ -1,4 +1,4 @@
-"""Dense projections routed to the fastest matmul kernel for the shape and device.
+"""The CPU platform's dense projections, routed to the fastest matmul kernel for the shape.
 
 A packed weight (`packed_weight.py`: every projection of a bfloat16 model on a CPU with avx512_bf16,
 of a float32 model on a CPU with AVX-512) takes the packed kernel at every row count. For row-major
@@ -34,8 +34,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from prefixserve.model.native.small_m_gemm import SmallMGemm, default_kernel
-from prefixserve.model.packed_weight import PackedWeight
+from prefixserve.model.prepared_weight import PreparedWeight
+from prefixserve.platforms.cpu.native.small_m_gemm import SmallMGemm, default_kernel
 
 _ONEDNN_DTYPES = (torch.float32,)
 # On CPU, F.linear in these dtypes goes to oneDNN's matmul, which keeps a primitive per shape too.
@@ -97,11 +97,11 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor | PreparedWeight, bias: torch.Tensor | None = None,
            widened: bool = False) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T (+ bias), like F.linear; `widened`: as `.float()` of that (a packed
     weight stores it so in the same pass, the others widen after it)."""
-    if isinstance(weight, PackedWeight):
+    if isinstance(weight, PreparedWeight):
         return weight.matmul(x, bias, widened)
     y = _linear(x, weight, bias)
     return y.float() if widened else y

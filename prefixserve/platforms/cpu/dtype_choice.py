@@ -1,4 +1,4 @@
-"""What dtype="auto" means: bfloat16 where the CPU multiplies it faster, float32 elsewhere.
+"""What dtype="auto" means on the CPU platform: bfloat16 where the CPU multiplies it faster, float32 elsewhere.
 
 With AMX, oneDNN runs bfloat16 matmuls about 6x faster than float32 (1.2-2.1 vs 0.26-0.34
 TFLOP/s on an Intel Xeon of this project) and decode reads half the bytes. On an AMD CPU
@@ -9,7 +9,7 @@ it says little: a Xeon VM whose hypervisor withholds AMX ran them at 0.55x (149 
 alternating the dtypes) and takes bfloat16 only when it is clearly faster: a timing a busy
 moment can tip, so a restarted server may choose otherwise, which the AMD rule rules out there.
 Without either feature every bfloat16 product is widened to float32 on the fly: float32. Off the
-CPU, auto keeps the checkpoint's own dtype.
+CPU, auto keeps the checkpoint's own dtype (model/platform.py).
 
 The features and the timing are read once a process (`detected_support`): a timing, however careful, can
 land on either side of the line on a busy machine, and two engines of one process must not answer in two
@@ -25,12 +25,12 @@ from typing import Optional
 
 import torch
 
-from prefixserve.model.linear import linear
-from prefixserve.model.native.isa import cpu_probe, cpu_vendor
-from prefixserve.model.packed_weight import PackedWeight
-from prefixserve.model.packed_weight import applies as packing_applies
+from prefixserve.model.platform import AUTO, DtypeChoice, Platform
+from prefixserve.platforms.cpu.linear import linear
+from prefixserve.platforms.cpu.native.isa import cpu_probe, cpu_vendor
+from prefixserve.platforms.cpu.packed_weight import PackedWeight
+from prefixserve.platforms.cpu.packed_weight import applies as packing_applies
 
-AUTO = "auto"
 # bfloat16 also costs accuracy: take it only for a clear gain
 MIN_BF16_SPEEDUP = 1.25
 AMD = "AuthenticAMD"
@@ -53,21 +53,11 @@ class CpuBf16Support:
         return cls(amx_bf16=amx, avx512_bf16=avx512_bf16, bf16_speedup=speedup, vendor=vendor)
 
 
-@dataclass(frozen=True)
-class DtypeChoice:
-    requested: str
-    # "float32", "bfloat16", "float16", or None: the checkpoint's own dtype (auto off the CPU)
-    dtype: Optional[str]
-    reason: str
-
-
 def choose_dtype(requested: str, device: torch.device,
                  support: Optional[CpuBf16Support] = None) -> DtypeChoice:
     """Resolves the engine's dtype setting; an explicit dtype always wins."""
-    if requested != AUTO:
-        return DtypeChoice(requested, requested, "asked for explicitly")
-    if device.type != "cpu":
-        return DtypeChoice(requested, None, f"auto on {device.type}: the checkpoint's own dtype")
+    if requested != AUTO or device.type != "cpu":
+        return Platform().choose_dtype(requested, device)
     support = support or detected_support()
     if support.amx_bf16:
         return DtypeChoice(requested, "bfloat16", "auto: the CPU has AMX (bfloat16 tiles)")

@@ -43,7 +43,7 @@ def cpu_vendor() -> str | None:
 
 
 def reads_panels(body: str, dtype: torch.dtype) -> bool:
-    """Whether the attention kernels' tiles in `body` read a pool of panels of `dtype` (kv_layout.py): a
+    """Whether the attention kernels' tiles in `body` read a pool of panels of `dtype` (panels.py): a
     bfloat16 pool's in word pairs (the avx512_bf16 body), a float32 pool's in the AVX-512 tiles."""
     if dtype == torch.bfloat16:
         return body == AVX512_BF16

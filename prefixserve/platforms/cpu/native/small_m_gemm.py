@@ -1,4 +1,4 @@
-"""The few-row projection kernel (`small_m_gemm.c`) behind `model/linear.py`.
+"""The few-row projection kernel (`small_m_gemm.c`) behind `platforms/cpu/linear.py`.
 
 Decode steps multiply a few rows (1-64) by each weight; on this project's CPUs the
 library GEMMs reach a third to a half of the memory bandwidth there, and this kernel,
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from prefixserve.model.native.build import load_default, load_kernel
-from prefixserve.model.native.isa import AVX2, AVX512, AVX512_BF16, best_isa
+from prefixserve.platforms.cpu.native.build import load_default, load_kernel
+from prefixserve.platforms.cpu.native.isa import AVX2, AVX512, AVX512_BF16, best_isa
 
 K_MULTIPLE = 8          # one AVX2 register of float32
 DTYPES = (torch.float32, torch.bfloat16)

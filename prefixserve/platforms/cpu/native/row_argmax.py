@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from prefixserve.model.native.build import load_default, load_kernel
+from prefixserve.platforms.cpu.native.build import load_default, load_kernel
 
 
 class RowArgmax:

@@ -1,0 +1,1 @@
+"""The CPU platform (platform.py) and the native kernels it is built on (native/)."""
