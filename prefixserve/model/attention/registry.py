@@ -28,7 +28,7 @@ AUTO = "auto"
 @dataclass(frozen=True)
 class BackendSpec:
     name: str
-    factory: Callable[[], AttentionBackend]
+    factory: Callable[..., AttentionBackend]   # called as factory(device=the model's device)
     devices: frozenset[str]        # device types, as torch.device(...).type spells them
     dtypes: frozenset[torch.dtype]
     rank: int                      # "auto" prefers the highest rank among the backends that fit
@@ -50,7 +50,8 @@ FAILED_MODULES: dict[str, str] = {}
 
 
 def register_backend(name: str, *, devices: Iterable[str], dtypes: Iterable[torch.dtype], rank: int = 0):
-    """Class decorator: makes an AttentionBackend selectable as `name`."""
+    """Class decorator: makes an AttentionBackend selectable as `name`. The class is built as
+    `cls(device=...)`, the model's device, so it can take that device's platform kernels."""
     if not name or name == AUTO:
         raise ValueError(f"a backend cannot be named {name!r}")
 
@@ -83,14 +84,14 @@ def select_backend(name: str, device: torch.device | str, dtype: torch.dtype) ->
         if not fitting:
             raise ValueError(f"no attention backend supports device {str(device)!r} with dtype "
                              f"{str(dtype).removeprefix('torch.')}: {_listing(device, dtype)}")
-        return max(fitting, key=lambda spec: spec.rank).factory()
+        return max(fitting, key=lambda spec: spec.rank).factory(device=device)
     spec = BACKENDS.get(name)
     if spec is None:
         raise ValueError(f"attention backend {name!r} is not registered; registered: {_listing(device, dtype)}")
     reason = spec.unsupported(device, dtype)
     if reason is not None:
         raise ValueError(f"attention backend {name!r} {reason}")
-    return spec.factory()
+    return spec.factory(device=device)
 
 
 def _listing(device: torch.device, dtype: torch.dtype) -> str:
