@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional, Sequence, TypeVar
 
 from prefixserve.engine.cached_contents import CachedContent
-from prefixserve.engine.llm_engine import LLMEngine, PromptInput
+from prefixserve.engine.intake import PromptInput
+from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.engine.outputs import CachePin, EngineInfo, EngineStats, PinInfo, RequestOutput
 from prefixserve.errors import (DuplicateRequestError, EngineDeadError, EngineStepError, QueueFullError,
                                 RequestAbortedError)
