@@ -73,6 +73,12 @@ class FailureIsolation:
             if sample.finish_reason is None:
                 sample.finish_reason, sample.stop_reason = "abort", None
 
+    def fail_groups(self, failed: dict[str, str]) -> set[str]:
+        """Ends each request of failed (group id -> why); returns their ids."""
+        for gid, reason in failed.items():
+            self.fail_group(gid, reason)
+        return set(failed)
+
     def emit_or_fail(self, gid: str) -> RequestOutput:
         try:
             return self.outputs.emit(gid)
@@ -123,9 +129,7 @@ class FailureIsolation:
                 self._probes[0] = rest
             else:
                 self._probes.popleft()
-        moved = set(failed)
-        for gid, reason in failed.items():
-            self.fail_group(gid, reason)
+        moved = self.fail_groups(failed)
         suspects = [sid for sid in suspects if self._is_live(sid)]
         stage = "running the batched forward pass"
         if len(scheduled) == 1 and suspects:

@@ -2,11 +2,9 @@
 
 `LLMEngine` joins the tokenizer, the scheduler (with its KV bookkeeping) and
 the model runner. The offline `LLM` and the server's background loop both
-drive it through add_request / step / abort_request. What a step does around the
-forward lives beside it: intake.py (refusing what can never run), sample_groups.py (the n
-samples of a request), output_processor.py (text, stop strings, outputs),
-failure_isolation.py (a failure ends its request alone), cache_control.py (pins, cached
-contents), kv_store_bridge.py, kv_event_feed.py and stats.py (what the engine reports).
+drive it through add_request / step / abort_request. Around the step, each in its module
+beside this one: intake, sample_groups (n samples), output_processor, failure_isolation,
+cache_control (pins, cached contents), kv_store_bridge, kv_event_feed and stats.
 """
 from __future__ import annotations
 
@@ -217,14 +215,11 @@ class LLMEngine:
         self.isolation.step_passed(plan, probe is not None)
 
         group_of, groups = self.groups.group_of, self.groups.groups
-        moved: set[str] = set()
         for i, err in enumerate(result.errors):
             if err is not None:
                 note_failure(failed, group_of[row_owner[i][0]], "sampling", err)
         # Before its tokens are applied, so a failed request gains none.
-        for gid, reason in failed.items():
-            self.isolation.fail_group(gid, reason)
-            moved.add(gid)
+        moved = self.isolation.fail_groups(failed)
 
         sampled: dict[str, list[int]] = {}
         for (rid, _), token in zip(row_owner, result.token_ids):
