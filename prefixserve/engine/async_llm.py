@@ -301,11 +301,11 @@ class AsyncLLM:
             tenant=tenant))
 
     async def kv_snapshot(self) -> list[bytes]:
-        """See LLMEngine.kv_snapshot."""
+        """See engine/kv_event_feed.py (KVEventFeed.snapshot)."""
         return await self.run_in_engine(lambda engine: engine.kv_snapshot())
 
     async def kv_events(self) -> KVEventBatch:
-        """See LLMEngine.kv_events."""
+        """See engine/kv_event_feed.py (KVEventFeed.events)."""
         return await self.run_in_engine(lambda engine: engine.kv_events())
 
     async def unpin(self, pin_id: str) -> bool:

@@ -40,12 +40,12 @@ def note_failure(failed: dict[str, str], gid: str, stage: str, exc: BaseExceptio
 
 class FailureIsolation:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, kv: KVCacheManager,
-                 groups: SampleGroups, outputs: OutputProcessor) -> None:
+                 groups: SampleGroups, output_processor: OutputProcessor) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.kv = kv
         self.groups = groups
-        self.outputs = outputs
+        self.output_processor = output_processor
         self._probes: deque[list[str]] = deque()
         self._strikes: dict[str, int] = {}
         self.step_failures: dict[str, str] = {}
@@ -81,10 +81,10 @@ class FailureIsolation:
 
     def emit_or_fail(self, gid: str) -> RequestOutput:
         try:
-            return self.outputs.emit(gid)
+            return self.output_processor.emit(gid)
         except Exception as exc:
             self.fail_group(gid, why("building its output", exc, gid))
-        return self.outputs.emit_failed(gid)
+        return self.output_processor.emit_failed(gid)
 
     def _is_live(self, sid: str) -> bool:
         return sid in self.groups.group_of and not self.scheduler.get_request(sid).is_finished

@@ -93,8 +93,8 @@ class LLMEngine:
         self.intake = Intake(self.tokenizer, vocab_size=self.model_config.vocab_size,
                              max_model_len=self.max_model_len, clock=clock, grammar_compiler=grammar_compiler)
         self.groups = SampleGroups(self.tokenizer, self.device)
-        self.outputs = OutputProcessor(self.scheduler, self.groups)
-        self.isolation = FailureIsolation(self.scheduler, self.runner, self.kv, self.groups, self.outputs)
+        self.output_processor = OutputProcessor(self.scheduler, self.groups)
+        self.isolation = FailureIsolation(self.scheduler, self.runner, self.kv, self.groups, self.output_processor)
         self.cache = CacheControl(self.kv, CachedContentStore(config.max_cached_contents_per_tenant))
         self._kv_stores: Optional[KVStoreBridge] = None
         if config.kv_stores:
@@ -245,7 +245,7 @@ class LLMEngine:
                 if group.cache_pins and req.request_id == gid and req.num_output_tokens == 1:
                     self.cache.apply_pins(group)
                 stage = "turning its tokens into text"
-                self.outputs.advance_text(group, req)
+                self.output_processor.advance_text(group, req)
             except Exception as exc:
                 self.isolation.fail_group(gid, why(stage, exc, gid))
         return self._finish_step(moved)

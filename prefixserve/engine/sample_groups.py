@@ -85,7 +85,7 @@ class SampleGroups:
 
     @property
     def num_seats(self) -> int:
-        """Sequences the requests held will run at once: each counts its n."""
+        """Sequences the requests held hold or will hold, each its n (admission bounds these)."""
         return sum(group.params.n for group in self.groups.values())
 
     def new_sample(self, group: Group, index: int, seed: Optional[int]) -> Sample:
