@@ -17,14 +17,18 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, Sequence, TypeVar
 
 from prefixserve.engine.cached_contents import CachedContent
-from prefixserve.engine.llm_engine import LLMEngine, PromptInput
+from prefixserve.engine.intake import PromptInput
+from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.engine.outputs import CachePin, EngineInfo, EngineStats, PinInfo, RequestOutput
 from prefixserve.errors import (DuplicateRequestError, EngineDeadError, EngineStepError, QueueFullError,
                                 RequestAbortedError)
 from prefixserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from prefixserve.kv.events import KVEventBatch
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,7 +100,8 @@ class _Command:
 
 
 class AsyncLLM:
-    """Thread-safe, asyncio-facing front of an LLMEngine run by one background thread.
+    """Thread-safe, asyncio-facing front of an LLMEngine run by one background thread: an
+    EngineClient (engine/client.py).
 
     max_waiting bounds the sequences accepted and not finished (a request counts
     its n; those still in the command list included); beyond it add_request
@@ -288,7 +293,7 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> int:
         return await self.run_in_engine(lambda e: e.reset_prefix_cache())
 
-    async def pin_prefix(self, token_ids: list[int], *, cache_salt: Optional[str] = None,
+    async def pin_prefix(self, token_ids: Sequence[int], *, cache_salt: Optional[str] = None,
                          num_tokens: Optional[int] = None, ttl_s: Optional[float] = None,
                          shorten: bool = False, tenant: Optional[str] = None) -> PinInfo:
         return await self.run_in_engine(lambda e: e.pin_prefix(
@@ -296,11 +301,11 @@ class AsyncLLM:
             tenant=tenant))
 
     async def kv_snapshot(self) -> list[bytes]:
-        """See LLMEngine.kv_snapshot."""
+        """See engine/kv_event_feed.py (KVEventFeed.snapshot)."""
         return await self.run_in_engine(lambda engine: engine.kv_snapshot())
 
-    async def kv_events(self):
-        """See LLMEngine.kv_events (a KVEventBatch)."""
+    async def kv_events(self) -> KVEventBatch:
+        """See engine/kv_event_feed.py (KVEventFeed.events)."""
         return await self.run_in_engine(lambda engine: engine.kv_events())
 
     async def unpin(self, pin_id: str) -> bool:
@@ -473,3 +478,8 @@ def _fail_quietly(stream: RequestStream, error: BaseException) -> None:
         stream._fail(error)
     except RuntimeError:  # its event loop is closed: nobody is listening
         pass
+
+
+if TYPE_CHECKING:
+    from prefixserve.engine.client import EngineClient
+    _: type[EngineClient] = AsyncLLM   # mypy holds the front to the protocol's types

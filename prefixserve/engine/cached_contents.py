@@ -107,6 +107,8 @@ class CachedContentStore:
         """Forgets content; True if no other content shares its pin (so the pin may be released)."""
         if self._by_id.pop(content.id, None) is None:
             return content.pin_id not in self._by_pin
+        # held, so add() saw its pin id
+        assert content.pin_id is not None
         scope = self._scopes[content.owner]
         del scope[content.id]
         if not scope:

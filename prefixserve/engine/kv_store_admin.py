@@ -37,7 +37,7 @@ def _prefix(scope: Optional[str]) -> str:
 def store_usage(url: str) -> list[ScopeUsage]:
     store = _open(url)
     try:
-        per = defaultdict(lambda: [0, 0])
+        per: defaultdict[str, list[int]] = defaultdict(lambda: [0, 0])   # scope -> [records, bytes]
         for key, size in store.scan():
             entry = per[key.split("/", 1)[0]]
             entry[0] += 1

@@ -6,7 +6,8 @@ from dataclasses import fields
 from typing import Any, Optional, Sequence, Union
 
 from prefixserve.engine.config import EngineConfig
-from prefixserve.engine.llm_engine import LLMEngine, PromptInput
+from prefixserve.engine.intake import PromptInput
+from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.engine.outputs import EngineStats, RequestOutput
 from prefixserve.sampling_params import SamplingParams
 

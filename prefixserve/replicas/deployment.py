@@ -3,7 +3,8 @@
 The replica serves token ids (the front renders and tokenizes once, and the router hashes the
 same ids), streams RequestOutputs, and pushes what its pool holds to the hub: a snapshot when
 it starts (so a restarted replica's blocks are known again), then its events every
-`publish_period_s`. Only the engine's public API is used.
+`publish_period_s`. Only the engine's public API is used. It serves the calls the front
+(front.py) forwards through the Ray Serve handle, in the remote role engine/client.py describes.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ class EngineReplica:
         return {"replica": self.replica_id, "info": self.llm.info,
                 "max_model_len": self.llm.max_model_len}
 
-    async def generate(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
+    async def generate(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, *,
                        cache_salt: Optional[str] = None, priority: int = 0,
                        cache_pins: Sequence[CachePin] = ()) -> AsyncIterator:
         self._ensure_publisher()

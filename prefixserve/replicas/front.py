@@ -1,10 +1,12 @@
-"""An AsyncLLM-shaped front over the engine replicas, for the HTTP server (build_app).
+"""A front over the engine replicas, for the HTTP server (build_app): an EngineClient
+(engine/client.py) like AsyncLLM.
 
 Requests go through the replicas' Ray Serve handle, so Ray Serve's request router (ours,
 router.py) picks the replica. A request whose replica dies before it streamed anything is
 retried once (the router routes it afresh, and Ray Serve no longer offers the dead replica);
 one that already streamed ends with EngineError. Whole-service calls (reset) go to every
-replica the hub knows. Named cached contents live in one engine and are refused here.
+replica the hub knows. Pins by id, named cached contents and the KV event feed live in one
+engine and are refused here.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import asyncio
 import logging
 import time
 from dataclasses import MISSING, fields
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, Sequence
 
 from ray.exceptions import RayError, RayTaskError
 
@@ -21,8 +23,14 @@ from prefixserve.errors import EngineError, InvalidRequestError, PrefixServeErro
 from prefixserve.replicas.deployment import ACCEPTED
 from prefixserve.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from prefixserve.tokenizer import Tokenizer
+
 logger = logging.getLogger(__name__)
 _NO_CONTENTS = "named cached contents are not available with --replicas (each lives in one engine)"
+_NO_PINS = ("pins by id are not available with --replicas (each lives in one engine); "
+            "ask for them with a request's cache_pins")
+_NO_FEED = "the KV event feed is per replica; the replicas publish theirs to the hub"
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -72,6 +80,10 @@ class ReplicaStream:
 
 
 class ReplicatedLLM:
+    info: EngineInfo
+    tokenizer: Tokenizer
+    max_model_len: int
+
     def __init__(self, handle, hub, *, info: EngineInfo, tokenizer, max_model_len: int,
                  stats_period_s: float = 0.5, call_timeout_s: float = 30.0) -> None:
         self._handle = handle
@@ -169,6 +181,21 @@ class ReplicatedLLM:
             return stream
         raise AssertionError("unreachable")
 
+    async def generate(self, request_id: str, prompt, params: SamplingParams, *,
+                       cache_salt: Optional[str] = None, priority: int = 0,
+                       cache_pins: Sequence[CachePin] = ()) -> AsyncIterator[RequestOutput]:
+        """add_request + iterate; the request is aborted if the iteration stops early."""
+        stream = await self.add_request(request_id, prompt, params, cache_salt=cache_salt,
+                                        priority=priority, cache_pins=cache_pins)
+        finished = False
+        try:
+            async for output in stream:
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(request_id)
+
     def _forget_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
@@ -186,6 +213,22 @@ class ReplicatedLLM:
         return sum(c for c in counts if isinstance(c, int))
 
     # ---------------------------------------------------- not across replicas
+    async def pin_prefix(self, token_ids, *, cache_salt=None, num_tokens=None, ttl_s=None,
+                         shorten=False, tenant=None):
+        raise InvalidRequestError(_NO_PINS, code="not_supported")
+
+    async def unpin(self, pin_id):
+        raise InvalidRequestError(_NO_PINS, param="pin_id", code="not_supported")
+
+    async def list_pins(self):
+        raise InvalidRequestError(_NO_PINS, code="not_supported")
+
+    async def kv_snapshot(self):
+        raise InvalidRequestError(_NO_FEED, code="not_supported")
+
+    async def kv_events(self):
+        raise InvalidRequestError(_NO_FEED, code="not_supported")
+
     async def cached_contents(self, owner=None):
         raise InvalidRequestError(_NO_CONTENTS, code="not_supported")
 

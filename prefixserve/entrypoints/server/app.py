@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prefixserve.diagnose.live import MissExplainer
-from prefixserve.engine import AsyncLLM, LLMEngine
+from prefixserve.engine import AsyncLLM, EngineClient, LLMEngine
 from prefixserve.entrypoints.server.anthropic.messages import create_message
 from prefixserve.entrypoints.server.anthropic.protocol import MessagesRequest
 from prefixserve.entrypoints.server.cached_contents import (CachedContentCreate, CachedContentUpdate,
@@ -44,9 +44,8 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
     """
     owned = isinstance(engine, LLMEngine)
     async_llm = AsyncLLM(engine, max_waiting=config.max_waiting) if owned else engine
-    # Or a front of the same shape over several engines (replicas/front.py: ReplicatedLLM).
-    if not isinstance(async_llm, AsyncLLM) and not all(
-            callable(getattr(async_llm, name, None)) for name in ("add_request", "abort", "stats", "start")):
+    # Or another front over engines (replicas/front.py: ReplicatedLLM).
+    if not isinstance(async_llm, EngineClient):
         raise TypeError(f"build_app needs an LLMEngine or AsyncLLM, got {type(engine).__name__}")
     model_name = config.served_model_name or async_llm.info.model
     state = ServerState(async_llm=async_llm, config=config, model_name=model_name,
