@@ -1,6 +1,6 @@
 """The engine boundary: entry points reach the engine only through its public API.
 
-Every module under prefixserve/entrypoints/ (and the benchmarks' prefixserve engine) is
+Every module under prefixserve/entrypoints/ (and the benchmarks that drive engines) is
 parsed, and every import in it, at module level or inside a function, is checked: none may
 name the layers below the engine. Nor may an entry point reach through the engine front to
 the engine object itself (`async_llm.engine`, `run_in_engine`), which would let it touch the
@@ -13,30 +13,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "prefixserve"
+from import_graph import ROOT, imported_names
+
 FORBIDDEN = ("prefixserve.kv", "prefixserve.scheduler", "prefixserve.worker", "prefixserve.model")
 MODULES = sorted((ROOT / "entrypoints").rglob("*.py")) + [ROOT / "benchmarks" / "engines" / "prefixserve_engine.py"]
 # The replicas drive engines too (the router and its index may use kv's hasher and events).
-MODULES += [ROOT / "replicas" / f"{name}.py" for name in ("deployment", "front", "service", "args", "metrics")]
-
-
-def imported_names(path: Path) -> list[tuple[int, str]]:
-    """(line, dotted module) of every import in the file, relative imports resolved."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    package = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts[:-1])
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
-            found.append((node.lineno, base))
-            # `from prefixserve import kv` names the module in the alias
-            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
-    return found
+MODULES += [ROOT / "replicas" / f"{name}.py" for name in ("deployment", "front", "service", "metrics")]
+MODULES += [ROOT / "benchmarks" / "replica_tenants.py"]
 
 
 def violations(path: Path) -> list[str]:
