@@ -50,19 +50,18 @@ class KVCacheManager:
         self._pins = PinRegistry(config.max_pinned_blocks, config.max_pinned_blocks_per_tenant)
         self._requests: dict[str, RequestBlocks] = {}
         self._counters = KVCacheCounters()
-        self._extras: dict[tuple[Optional[str], Optional[str]], tuple[bytes, bytes]] = {}
+        self._extras: dict[Optional[str], tuple[bytes, bytes]] = {}
         # Blocks registered as computed since the last take_computed(), for write-through KV
         # stores; None unless they asked (enable_store_journal).
         self._computed: Optional[list[int]] = None
 
     # ------------------------------------------------------------------ lookup
     def find_cached_prefix(self, request_id: str, token_ids: Sequence[int], *,
-                           cache_salt: Optional[str] = None, adapter_key: Optional[str] = None,
-                           preempted: bool = False) -> PrefixHit:
+                           cache_salt: Optional[str] = None, preempted: bool = False) -> PrefixHit:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already holds blocks; look up a prefix "
                              "only for a request without blocks (new, or preempted and freed)")
-        extras_first, extras_rest = self._encoded_extras(cache_salt, adapter_key)
+        extras_first, extras_rest = self._encoded_extras(cache_salt)
         hit = PrefixHit([], 0, query_tokens=len(token_ids), preempted=preempted)
         if self.enable_prefix_caching:
             # The last token is always computed: its logits are needed.
@@ -106,8 +105,7 @@ class KVCacheManager:
     # -------------------------------------------------------------- allocation
     def allocate_slots(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                        num_new_tokens: int, *, hit: Optional[PrefixHit] = None,
-                       cache_salt: Optional[str] = None, adapter_key: Optional[str] = None,
-                       priority: int = 0) -> Optional[Allocation]:
+                       cache_salt: Optional[str] = None, priority: int = 0) -> Optional[Allocation]:
         if num_computed_tokens < 0 or num_new_tokens < 0:
             raise ValueError(f"num_computed_tokens ({num_computed_tokens}) and num_new_tokens "
                              f"({num_new_tokens}) must be >= 0")
@@ -154,7 +152,7 @@ class KVCacheManager:
             return None
         # Everything that can reject bad input runs before the first change.
         if req is None:
-            extras_first, extras_rest = self._encoded_extras(cache_salt, adapter_key)
+            extras_first, extras_rest = self._encoded_extras(cache_salt)
         hashed = len(req.hashes) if req is not None else have
         num_full = end // bs
         new_full_tokens = (token_bytes(token_ids[hashed * bs:num_full * bs])
@@ -267,16 +265,14 @@ class KVCacheManager:
         canon.append(NO_PARENT)
         canon_gen.append(0)
 
-    def _encoded_extras(self, cache_salt: Optional[str],
-                        adapter_key: Optional[str]) -> tuple[bytes, bytes]:
-        key = (cache_salt, adapter_key)
-        encoded = self._extras.get(key)
+    def _encoded_extras(self, cache_salt: Optional[str]) -> tuple[bytes, bytes]:
+        encoded = self._extras.get(cache_salt)
         if encoded is None:
-            first, rest = request_extra_keys(cache_salt, adapter_key)
+            first, rest = request_extra_keys(cache_salt)
             encoded = (encode_extra_keys(first), encode_extra_keys(rest))
             if len(self._extras) >= _EXTRAS_CACHE_SIZE:
                 self._extras.clear()
-            self._extras[key] = encoded
+            self._extras[cache_salt] = encoded
         return encoded
 
     def can_allocate(self, num_blocks: int) -> bool:
@@ -350,7 +346,7 @@ class KVCacheManager:
 
     # -------------------------------------------------------------------- pins
     def pin_prefix(self, token_ids: Sequence[int], *, cache_salt: Optional[str] = None,
-                   adapter_key: Optional[str] = None, num_tokens: Optional[int] = None,
+                   num_tokens: Optional[int] = None,
                    ttl_s: Optional[float] = None, shorten: bool = False,
                    tenant: Optional[str] = None) -> PinInfo:
         """Pins the cached full blocks of token_ids' longest cached prefix (of its first
@@ -367,7 +363,7 @@ class KVCacheManager:
         limit = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
         ids: list[int] = []
         if self.enable_prefix_caching:
-            extras_first, extras_rest = self._encoded_extras(cache_salt, adapter_key)
+            extras_first, extras_rest = self._encoded_extras(cache_salt)
             self._walk(token_ids, limit // self.block_size, extras_first, extras_rest, ids, [])
         expires_at = None if ttl_s is None else self._clock() + ttl_s
         if not ids:
@@ -489,10 +485,10 @@ class KVCacheManager:
         return self._pool.num_available
 
     def store_lookup(self, token_ids: Sequence[int], *, cache_salt: Optional[str] = None,
-                     adapter_key: Optional[str] = None, max_blocks: int) -> StoreLookup:
+                     max_blocks: int) -> StoreLookup:
         """The pool's hit for token_ids and up to max_blocks blocks after it (never the block
         holding the last token, which is always computed)."""
-        extras_first, extras_rest = self._encoded_extras(cache_salt, adapter_key)
+        extras_first, extras_rest = self._encoded_extras(cache_salt)
         bs = self.block_size
         limit = (len(token_ids) - 1) // bs
         found = StoreLookup([], [])
