@@ -127,7 +127,7 @@ class KVCacheManager:
                 raise ValueError(
                     f"request {request_id!r} has no blocks yet: num_computed_tokens "
                     f"({num_computed_tokens}) must equal the hit's {len(hit_ids) * bs} tokens")
-            if hit_ids:
+            if hit is not None and hit_ids:
                 self._check_hit(request_id, hit)
                 # Hit blocks leave the eviction queue, so they cannot also be evicted for us.
                 reclaimed = sum(1 for b in hit_ids if blocks[b].ref == 0)
@@ -197,7 +197,8 @@ class KVCacheManager:
         blocks = self._pool.blocks
         ids = hit.block_ids
         self._pool.take(ids, priority)
-        req.hashes = [blocks[b].hash for b in ids]
+        # _check_hit proved every hit block is in the index, so each has its hash.
+        req.hashes = [h for b in ids if (h := blocks[b].hash) is not None]
         req.canon = list(ids)
         req.canon_gen = [blocks[b].gen for b in ids]
         counters = self._counters
@@ -232,9 +233,7 @@ class KVCacheManager:
                 self._cut(canon, canon_gen)
             else:
                 existing = index.get(block_hash)
-                equal = existing is not None and self._same_block(
-                    existing, tok, extras, link, link_gen)
-                if equal:
+                if existing is not None and self._same_block(existing, tok, extras, link, link_gen):
                     # Computed twice (forks, concurrent chunked prefills): the first copy
                     # stays the one lookups find, and this request's chain continues from it.
                     canon.append(existing)
@@ -496,7 +495,9 @@ class KVCacheManager:
             return found
         self._walk(token_ids, limit, extras_first, extras_rest, found.prefix_ids, found.prefix_gens)
         start = len(found.prefix_ids)
-        parent = self._pool.blocks[found.prefix_ids[-1]].hash if start else self.hasher.seed
+        # The walk returns blocks in the index, so the last one has its hash.
+        last_hash = self._pool.blocks[found.prefix_ids[-1]].hash if start else None
+        parent = last_hash if last_hash is not None else self.hasher.seed
         stop = min(limit, start + max(0, max_blocks))
         for i, (tok, h) in enumerate(self.hasher.iter_chain(
                 parent, token_bytes(token_ids[start * bs:stop * bs]), bs, start,
