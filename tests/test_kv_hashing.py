@@ -68,9 +68,9 @@ def test_same_identity_same_hashes_other_identity_or_algo_differs():
 def test_hashes_are_reproducible_across_processes():
     code = ("from prefixserve.kv import BlockHasher; "
             f"print(','.join(h.hex() for h in BlockHasher('xxh3_128', 'm').hash_prompt({TOKENS}, 4, "
-            "cache_salt='s', adapter_key='a')))")
+            "cache_salt='s')))")
     here = ",".join(h.hex() for h in BlockHasher("xxh3_128", "m").hash_prompt(
-        TOKENS, 4, cache_salt="s", adapter_key="a"))
+        TOKENS, 4, cache_salt="s"))
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
@@ -90,20 +90,11 @@ def test_salt_enters_first_block_and_the_chain_carries_it():
     assert salted[0] == hasher.hash_block(None, TOKENS[:4], (("salt", "tenant-1"),))
 
 
-def test_adapter_key_enters_every_block():
-    hasher = BlockHasher("xxh3_64", "m")
-    hashes = hasher.hash_prompt(TOKENS, 4, adapter_key="lora-7")
-    parent = None
-    for i, h in enumerate(hashes):
-        parent = hasher.hash_block(parent, TOKENS[4 * i:4 * i + 4], (("adapter", "lora-7"),))
-        assert parent == h
-
-
 def test_extra_keys_are_type_tagged_and_unambiguous():
     hasher = BlockHasher("xxh3_64", "m")
     salt = hasher.hash_prompt(TOKENS, 4, cache_salt="x")
-    adapter = hasher.hash_prompt(TOKENS, 4, adapter_key="x")
-    assert salt[0] != adapter[0]
+    adapter = hasher.hash_block(None, TOKENS[:4], (("adapter", "x"),))
+    assert salt[0] != adapter
     assert hasher.hash_prompt(TOKENS, 4, cache_salt="") != hasher.hash_prompt(TOKENS, 4)
     encodings = {encode_extra_keys(keys) for keys in (
         (), (("salt", "ab"),), (("salt", "a"), ("salt", "b")), (("sal", "tab"),),

@@ -10,12 +10,11 @@ def make(num_blocks=16, block_size=16, **kwargs):
                           hash_fn=hash_fn)
 
 
-def run(kv, rid, tokens, salt=None, adapter=None, preempted=False, priority=0):
+def run(kv, rid, tokens, salt=None, preempted=False, priority=0):
     """Admits a request the way the scheduler does: lookup, then allocate the rest."""
-    hit = kv.find_cached_prefix(rid, tokens, cache_salt=salt, adapter_key=adapter,
-                                preempted=preempted)
+    hit = kv.find_cached_prefix(rid, tokens, cache_salt=salt, preempted=preempted)
     alloc = kv.allocate_slots(rid, tokens, hit.num_tokens, len(tokens) - hit.num_tokens, hit=hit,
-                              cache_salt=salt, adapter_key=adapter, priority=priority)
+                              cache_salt=salt, priority=priority)
     kv.check_integrity()
     return hit, alloc
 
@@ -72,15 +71,6 @@ def test_salts_never_share_and_same_salt_shares():
     assert kv.find_cached_prefix("d", prompt, cache_salt="alice").num_tokens == 32
     assert kv.find_cached_prefix("d", prompt).num_tokens == 32
     assert set(kv.block_table("a")).isdisjoint(kv.block_table("c"))
-
-
-def test_adapter_keys_never_share():
-    kv = make()
-    prompt = list(range(40))
-    run(kv, "a", prompt, adapter="lora-1")
-    assert kv.find_cached_prefix("b", prompt, adapter_key="lora-2").num_tokens == 0
-    assert kv.find_cached_prefix("b", prompt).num_tokens == 0
-    assert kv.find_cached_prefix("b", prompt, adapter_key="lora-1").num_tokens == 32
 
 
 def test_forced_hash_collision_never_gives_a_wrong_hit():

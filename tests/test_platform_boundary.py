@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from import_walker import ROOT, imported_names, names_any
+from import_graph import ROOT, imported_names, names_any
 
 CPU_PLATFORM = ROOT / "platforms" / "cpu"
 # parts that may import a platform's modules: the platform itself, and the benchmarks above everything

@@ -305,7 +305,7 @@ def test_serve_flags_of_the_replicated_service():
     """`serve --replicas` flags reach the configs; one engine stays in-process and bad values
     are refused before anything starts."""
     from prefixserve.entrypoints.cli import build_parser
-    from prefixserve.replicas.args import wants_replicas
+    from prefixserve.entrypoints.serve_replicas import wants_replicas
     from prefixserve.replicas.service import ReplicaConfig
     parse = build_parser().parse_args
     assert not wants_replicas(parse(["serve"]))
@@ -345,7 +345,7 @@ def test_a_logged_request_log_replays_over_replicas(tmp_path, capsys):
     the earlier ones (the oracle, on one unbounded pool per tenant)."""
     import json
 
-    from prefixserve.replicas.sim_report import load_log, main
+    from prefixserve.benchmarks.routing_sim import load_log, main
     systems = {"acme": "You are acme's assistant. Answer about invoices and refunds. " * 3,
                "zeta": "You are zeta's assistant. Answer about rockets and fuel. " * 3}
     order = ["acme", "acme", "zeta", "zeta", "acme", "zeta", "zeta", "acme"]

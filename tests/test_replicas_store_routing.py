@@ -129,7 +129,7 @@ def test_serve_passes_kv_store_urls_to_the_replicas_engine_config():
     carries the store URLs, in order (the service test shows both replicas opening them)."""
     from prefixserve.entrypoints.cli import build_parser
     from prefixserve.entrypoints.engine_args import engine_config_from_args
-    from prefixserve.replicas.args import wants_replicas
+    from prefixserve.entrypoints.serve_replicas import wants_replicas
     args = build_parser().parse_args(["serve", "--replicas", "2", "--kv-store", "mem://?size=1MiB",
                                       "--kv-store", "redis://127.0.0.1:6390/0"])
     assert wants_replicas(args)

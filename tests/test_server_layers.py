@@ -1,7 +1,7 @@
 """The server's layers: dialects on top, shared things below them, and no arrow running back up.
 
 Every module under prefixserve/entrypoints/server is parsed and every import in it, at module
-level or inside a function, relative ones resolved (the walker of test_engine_boundary.py), is
+level or inside a function, relative ones resolved (import_graph.py), is
 checked. A room is a subpackage (openai/, anthropic/, prompting/) or a top-level module
 (pipeline.py, state.py, ...). The dialects (openai/, anthropic/) may use any shared room but
 never each other; no shared room may import a dialect (only app.py, which mounts their routes);
@@ -9,11 +9,9 @@ and no two rooms may reach each other through their imports (no circle).
 """
 from __future__ import annotations
 
-from pathlib import Path
+from import_graph import ROOT, imported_names
 
-from test_engine_boundary import imported_names
-
-SERVER = Path(__file__).resolve().parents[1] / "prefixserve" / "entrypoints" / "server"
+SERVER = ROOT / "entrypoints" / "server"
 PACKAGE = "prefixserve.entrypoints.server"
 DIALECTS = ("openai", "anthropic")
 MOUNTS_ROUTES = "app"

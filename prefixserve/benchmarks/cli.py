@@ -10,6 +10,7 @@ from prefixserve.benchmarks.checkpoint import DEFAULT_CACHE_DIR
 from prefixserve.benchmarks.engines import ENGINE_NAMES
 from prefixserve.benchmarks.kv_store_bench import STORE_WORKLOADS
 from prefixserve.benchmarks.workloads import WORKLOAD_NAMES
+from prefixserve.engine.config import DTYPES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "weights and dtype, and prints a markdown table.")
     p.add_argument("--model", default="random:qwen3-0.6b",
                    help="random:<preset> or a local HF checkpoint folder (default: %(default)s)")
-    p.add_argument("--dtype", action="append", choices=("float32", "bfloat16", "float16"),
+    p.add_argument("--dtype", action="append", choices=[d for d in DTYPES if d != "auto"],
                    help="repeatable: the whole benchmark runs once per dtype, each against the machine's limits "
                         "measured in that dtype (default: float32)")
     p.add_argument("--workload", action="append", choices=WORKLOAD_NAMES + STORE_WORKLOADS, metavar="NAME",

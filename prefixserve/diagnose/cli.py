@@ -12,9 +12,9 @@ from prefixserve.diagnose.render import load_renderer
 from prefixserve.diagnose.replay import ReplayConfig, blocks_needed, replay, unbounded_num_blocks
 from prefixserve.diagnose.replay_report import format_replay, plot_replay
 from prefixserve.diagnose.rules import RULE_IDS
+from prefixserve.kv.config import EVICTION_POLICIES
 
 DEFAULT_MODEL = "random:qwen3-tiny"
-EVICTION_POLICIES = ("lru", "lfu", "priority")
 # Default sweep: these fractions of the pool that would never evict.
 SWEEP_FRACTIONS = (1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)
 

@@ -116,7 +116,7 @@ def line_diff(old: str, new: str) -> LineDiff:
             first = j1
         changed_new.extend(new_lines[j1:j2])
         changed_old.extend(old_lines[i1:i2])
-    return LineDiff(changed_new, changed_old, first, "\n".join(l for l in stable_after if l.strip()))
+    return LineDiff(changed_new, changed_old, first, "\n".join(line for line in stable_after if line.strip()))
 
 
 def restore_leading_changes(old: str, new: str) -> str:
@@ -129,7 +129,7 @@ def restore_leading_changes(old: str, new: str) -> str:
     for k in range(len(ops) - 1, -1, -1):
         stable_later[k] = seen
         tag, _, _, j1, j2 = ops[k]
-        seen = seen or (tag == "equal" and any(l.strip() for l in new_lines[j1:j2]))
+        seen = seen or (tag == "equal" and any(line.strip() for line in new_lines[j1:j2]))
     out: list[str] = []
     for (tag, i1, i2, j1, j2), later in zip(ops, stable_later):
         out.extend(old_lines[i1:i2] if tag != "equal" and later else new_lines[j1:j2])

@@ -5,6 +5,9 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from prefixserve.kv.config import EVICTION_POLICIES, HASH_ALGOS
+from prefixserve.scheduler.config import SCHEDULING_POLICIES
+
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 1024**3
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Device types an engine can be asked for, in torch.device's spelling ("cuda", "cuda:1"). Only the
@@ -14,6 +17,11 @@ _DEVICE = re.compile(r"(?P<type>[a-z]+)(:(0|[1-9][0-9]*))?")
 KV_STORE_WRITES = ("back", "through")
 _BACKEND_NAME = re.compile(r"[a-z0-9][a-z0-9_\-]*")
 KV_LAYOUTS = ("auto", "rows", "panels")
+# Fields the engine hands to kv and the scheduler, each checked against the values they accept,
+# so a bad one fails here rather than once the model is loaded (and entry points, which may not
+# import kv or the scheduler, take their choices from here).
+_CHOICES = {"hash_algo": HASH_ALGOS, "eviction_policy": EVICTION_POLICIES,
+            "scheduling_policy": SCHEDULING_POLICIES}
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,9 @@ class EngineConfig:
             _positive("max_cached_contents_per_tenant", self.max_cached_contents_per_tenant)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         _check_kv_stores(self)
 
 

@@ -149,7 +149,6 @@ class EngineStats:
     num_seats: int = 0
     # one KVStoreStats (kv/stores/stats.py) per configured KV store, fastest first
     kv_stores: tuple = ()
-    extra: dict = field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -10,7 +10,7 @@ from prefixserve.engine.config import EngineConfig
 from prefixserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from prefixserve.entrypoints.server.auth import KeyTable
 from prefixserve.entrypoints.server.config import ServerConfig
-from prefixserve.replicas.args import add_replica_args, run_replicated, wants_replicas
+from prefixserve.entrypoints.serve_replicas import add_replica_args, run_replicated, wants_replicas
 
 DEFAULT_MAX_WAITING = ServerConfig.max_waiting
 logger = logging.getLogger(__name__)

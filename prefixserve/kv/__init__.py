@@ -7,14 +7,14 @@ from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.config import EVICTION_POLICIES, HASH_ALGOS, KVCacheConfig
 from prefixserve.kv.eviction import (EvictionPolicy, LFUPolicy, LRUPolicy, PriorityPolicy,
                                      make_policy)
-from prefixserve.kv.hashing import (ADAPTER_TAG, SALT_TAG, BlockHash, BlockHasher,
-                                    encode_extra_keys, request_extra_keys, token_bytes)
+from prefixserve.kv.hashing import (SALT_TAG, BlockHash, BlockHasher, encode_extra_keys,
+                                    request_extra_keys, token_bytes)
 from prefixserve.kv.manager import KVCacheManager
 from prefixserve.kv.pins import PinInfo, PinLimitError
 from prefixserve.kv.stats import KVCacheStats
 
 __all__ = [
-    "ADAPTER_TAG", "Allocation", "BlockHash", "BlockHasher", "BlockPool", "EVICTION_POLICIES",
+    "Allocation", "BlockHash", "BlockHasher", "BlockPool", "EVICTION_POLICIES",
     "EvictionPolicy", "HASH_ALGOS", "KVCacheConfig", "KVCacheManager", "KVCacheStats",
     "LFUPolicy", "LRUPolicy", "PinInfo", "PinLimitError", "PrefixHit", "PriorityPolicy",
     "SALT_TAG", "encode_extra_keys", "make_policy", "request_extra_keys", "token_bytes",

@@ -134,6 +134,8 @@ class BlockPool:
         self._forget(block)
 
     def _forget(self, block: Block) -> None:
+        if block.hash is None:
+            raise ValueError(f"block {block.block_id} is not cached: it has no hash to forget")
         del self.index[block.hash]
         if self.observer is not None:
             self.observer.removed(block.hash)

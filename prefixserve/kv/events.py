@@ -1,8 +1,8 @@
 """KV events: what a pool holds, told as chained block hashes, for a router that sees many pools.
 
 A pool reports each hash it starts holding (`stored`), each it stops holding (`removed`: evicted,
-uncached, rewound), the hashes a pin holds (`pinned`) and a reset (`cleared`). Salts and adapter
-keys are inside the hashes already, so an event never carries a tenant's name or tokens. The log
+uncached, rewound), the hashes a pin holds (`pinned`) and a reset (`cleared`). Salts are inside
+the hashes already, so an event never carries a tenant's name or tokens. The log
 is bounded: a consumer that falls more than `capacity` hashes behind is told the log overflowed
 and rebuilds its view from a snapshot (every hash held now) instead of from events.
 """

@@ -28,7 +28,6 @@ HashFn = Callable[[bytes], BlockHash]
 ExtraKeys = tuple  # tuple of (tag: str, value: str | bytes | int)
 
 SALT_TAG = "salt"
-ADAPTER_TAG = "adapter"
 _SEED_DOMAIN = b"prefixserve/kv/seed/v1\x00"
 
 _U32_TYPECODE = next(code for code in "ILH" if array(code).itemsize == 4)
@@ -83,17 +82,13 @@ def encode_extra_keys(extra_keys: ExtraKeys) -> bytes:
     return _U32.pack(len(body)) + body
 
 
-def request_extra_keys(cache_salt: Optional[str],
-                       adapter_key: Optional[str]) -> tuple[ExtraKeys, ExtraKeys]:
+def request_extra_keys(cache_salt: Optional[str]) -> tuple[ExtraKeys, ExtraKeys]:
     """(keys of block 0, keys of every later block): the salt enters block 0 only (the chain
-    carries it on), the adapter key enters every block."""
+    carries it on); a request has no key of its own for later blocks."""
     if cache_salt is not None and not isinstance(cache_salt, str):
         raise ValueError(f"cache_salt must be a str or None, got {cache_salt!r}")
-    if adapter_key is not None and not isinstance(adapter_key, str):
-        raise ValueError(f"adapter_key must be a str or None, got {adapter_key!r}")
-    rest: ExtraKeys = ((ADAPTER_TAG, adapter_key),) if adapter_key is not None else ()
-    first: ExtraKeys = (((SALT_TAG, cache_salt),) if cache_salt is not None else ()) + rest
-    return first, rest
+    first: ExtraKeys = ((SALT_TAG, cache_salt),) if cache_salt is not None else ()
+    return first, ()
 
 
 class BlockHasher:
@@ -141,12 +136,11 @@ class BlockHasher:
             yield block, parent
 
     def hash_prompt(self, token_ids: Sequence[int], block_size: int,
-                    cache_salt: Optional[str] = None,
-                    adapter_key: Optional[str] = None) -> list[BlockHash]:
+                    cache_salt: Optional[str] = None) -> list[BlockHash]:
         """Hashes of all full blocks of token_ids."""
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        first, rest = request_extra_keys(cache_salt, adapter_key)
+        first, rest = request_extra_keys(cache_salt)
         num_full = len(token_ids) // block_size * block_size
         tokens = token_bytes(token_ids[:num_full])
         return [h for _, h in self.iter_chain(self.seed, tokens, block_size, 0,

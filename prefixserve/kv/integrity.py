@@ -51,9 +51,12 @@ def check_integrity(pool: BlockPool, requests: Mapping[str, RequestBlocks],
         hashed += 1
         b = block.block_id
         _check(pool.index.get(block.hash) == b, f"block {b} has a hash the index does not map to it")
-        _check(block.tokens is not None and len(block.tokens) == 4 * block_size,
-               f"cached block {b} does not store a full block of tokens")
-        recomputed = hasher.hash_encoded(block.parent_hash, block.tokens, block.extras)
+        tokens, parent_hash, extras = block.tokens, block.parent_hash, block.extras
+        if tokens is None or len(tokens) != 4 * block_size:
+            raise AssertionError(f"cached block {b} does not store a full block of tokens")
+        if parent_hash is None or extras is None:
+            raise AssertionError(f"cached block {b} does not store its parent hash and extra keys")
+        recomputed = hasher.hash_encoded(parent_hash, tokens, extras)
         _check(recomputed == block.hash,
                f"block {b}: its stored tokens, parent hash and extra keys hash to "
                f"{recomputed.hex()}, not to its indexed hash {block.hash.hex()}")

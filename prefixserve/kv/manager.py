@@ -50,19 +50,18 @@ class KVCacheManager:
         self._pins = PinRegistry(config.max_pinned_blocks, config.max_pinned_blocks_per_tenant)
         self._requests: dict[str, RequestBlocks] = {}
         self._counters = KVCacheCounters()
-        self._extras: dict[tuple[Optional[str], Optional[str]], tuple[bytes, bytes]] = {}
+        self._extras: dict[Optional[str], tuple[bytes, bytes]] = {}
         # Blocks registered as computed since the last take_computed(), for write-through KV
         # stores; None unless they asked (enable_store_journal).
         self._computed: Optional[list[int]] = None
 
     # ------------------------------------------------------------------ lookup
     def find_cached_prefix(self, request_id: str, token_ids: Sequence[int], *,
-                           cache_salt: Optional[str] = None, adapter_key: Optional[str] = None,
-                           preempted: bool = False) -> PrefixHit:
+                           cache_salt: Optional[str] = None, preempted: bool = False) -> PrefixHit:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already holds blocks; look up a prefix "
                              "only for a request without blocks (new, or preempted and freed)")
-        extras_first, extras_rest = self._encoded_extras(cache_salt, adapter_key)
+        extras_first, extras_rest = self._encoded_extras(cache_salt)
         hit = PrefixHit([], 0, query_tokens=len(token_ids), preempted=preempted)
         if self.enable_prefix_caching:
             # The last token is always computed: its logits are needed.
@@ -106,8 +105,7 @@ class KVCacheManager:
     # -------------------------------------------------------------- allocation
     def allocate_slots(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                        num_new_tokens: int, *, hit: Optional[PrefixHit] = None,
-                       cache_salt: Optional[str] = None, adapter_key: Optional[str] = None,
-                       priority: int = 0) -> Optional[Allocation]:
+                       cache_salt: Optional[str] = None, priority: int = 0) -> Optional[Allocation]:
         if num_computed_tokens < 0 or num_new_tokens < 0:
             raise ValueError(f"num_computed_tokens ({num_computed_tokens}) and num_new_tokens "
                              f"({num_new_tokens}) must be >= 0")
@@ -129,7 +127,7 @@ class KVCacheManager:
                 raise ValueError(
                     f"request {request_id!r} has no blocks yet: num_computed_tokens "
                     f"({num_computed_tokens}) must equal the hit's {len(hit_ids) * bs} tokens")
-            if hit_ids:
+            if hit is not None and hit_ids:
                 self._check_hit(request_id, hit)
                 # Hit blocks leave the eviction queue, so they cannot also be evicted for us.
                 reclaimed = sum(1 for b in hit_ids if blocks[b].ref == 0)
@@ -154,7 +152,7 @@ class KVCacheManager:
             return None
         # Everything that can reject bad input runs before the first change.
         if req is None:
-            extras_first, extras_rest = self._encoded_extras(cache_salt, adapter_key)
+            extras_first, extras_rest = self._encoded_extras(cache_salt)
         hashed = len(req.hashes) if req is not None else have
         num_full = end // bs
         new_full_tokens = (token_bytes(token_ids[hashed * bs:num_full * bs])
@@ -199,7 +197,8 @@ class KVCacheManager:
         blocks = self._pool.blocks
         ids = hit.block_ids
         self._pool.take(ids, priority)
-        req.hashes = [blocks[b].hash for b in ids]
+        # _check_hit proved every hit block is in the index, so each has its hash.
+        req.hashes = [h for b in ids if (h := blocks[b].hash) is not None]
         req.canon = list(ids)
         req.canon_gen = [blocks[b].gen for b in ids]
         counters = self._counters
@@ -234,9 +233,7 @@ class KVCacheManager:
                 self._cut(canon, canon_gen)
             else:
                 existing = index.get(block_hash)
-                equal = existing is not None and self._same_block(
-                    existing, tok, extras, link, link_gen)
-                if equal:
+                if existing is not None and self._same_block(existing, tok, extras, link, link_gen):
                     # Computed twice (forks, concurrent chunked prefills): the first copy
                     # stays the one lookups find, and this request's chain continues from it.
                     canon.append(existing)
@@ -267,16 +264,14 @@ class KVCacheManager:
         canon.append(NO_PARENT)
         canon_gen.append(0)
 
-    def _encoded_extras(self, cache_salt: Optional[str],
-                        adapter_key: Optional[str]) -> tuple[bytes, bytes]:
-        key = (cache_salt, adapter_key)
-        encoded = self._extras.get(key)
+    def _encoded_extras(self, cache_salt: Optional[str]) -> tuple[bytes, bytes]:
+        encoded = self._extras.get(cache_salt)
         if encoded is None:
-            first, rest = request_extra_keys(cache_salt, adapter_key)
+            first, rest = request_extra_keys(cache_salt)
             encoded = (encode_extra_keys(first), encode_extra_keys(rest))
             if len(self._extras) >= _EXTRAS_CACHE_SIZE:
                 self._extras.clear()
-            self._extras[key] = encoded
+            self._extras[cache_salt] = encoded
         return encoded
 
     def can_allocate(self, num_blocks: int) -> bool:
@@ -350,7 +345,7 @@ class KVCacheManager:
 
     # -------------------------------------------------------------------- pins
     def pin_prefix(self, token_ids: Sequence[int], *, cache_salt: Optional[str] = None,
-                   adapter_key: Optional[str] = None, num_tokens: Optional[int] = None,
+                   num_tokens: Optional[int] = None,
                    ttl_s: Optional[float] = None, shorten: bool = False,
                    tenant: Optional[str] = None) -> PinInfo:
         """Pins the cached full blocks of token_ids' longest cached prefix (of its first
@@ -367,7 +362,7 @@ class KVCacheManager:
         limit = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
         ids: list[int] = []
         if self.enable_prefix_caching:
-            extras_first, extras_rest = self._encoded_extras(cache_salt, adapter_key)
+            extras_first, extras_rest = self._encoded_extras(cache_salt)
             self._walk(token_ids, limit // self.block_size, extras_first, extras_rest, ids, [])
         expires_at = None if ttl_s is None else self._clock() + ttl_s
         if not ids:
@@ -489,10 +484,10 @@ class KVCacheManager:
         return self._pool.num_available
 
     def store_lookup(self, token_ids: Sequence[int], *, cache_salt: Optional[str] = None,
-                     adapter_key: Optional[str] = None, max_blocks: int) -> StoreLookup:
+                     max_blocks: int) -> StoreLookup:
         """The pool's hit for token_ids and up to max_blocks blocks after it (never the block
         holding the last token, which is always computed)."""
-        extras_first, extras_rest = self._encoded_extras(cache_salt, adapter_key)
+        extras_first, extras_rest = self._encoded_extras(cache_salt)
         bs = self.block_size
         limit = (len(token_ids) - 1) // bs
         found = StoreLookup([], [])
@@ -500,7 +495,9 @@ class KVCacheManager:
             return found
         self._walk(token_ids, limit, extras_first, extras_rest, found.prefix_ids, found.prefix_gens)
         start = len(found.prefix_ids)
-        parent = self._pool.blocks[found.prefix_ids[-1]].hash if start else self.hasher.seed
+        # The walk returns blocks in the index, so the last one has its hash.
+        last_hash = self._pool.blocks[found.prefix_ids[-1]].hash if start else None
+        parent = last_hash if last_hash is not None else self.hasher.seed
         stop = min(limit, start + max(0, max_blocks))
         for i, (tok, h) in enumerate(self.hasher.iter_chain(
                 parent, token_bytes(token_ids[start * bs:stop * bs]), bs, start,

@@ -17,7 +17,7 @@ from prefixserve.errors import PinLimitError
 
 @dataclass
 class PinInfo:
-    pin_id: str
+    pin_id: Optional[str]         # None: nothing was cached, so nothing was pinned
     block_ids: list[int]
     num_tokens: int
     expires_at: Optional[float]   # clock() time; None = until unpinned
@@ -132,8 +132,10 @@ class PinRegistry:
     def remove(self, pin_id: str) -> Optional[tuple[int, ...]]:
         """Forgets a pin; returns the blocks it held (None if no such pin)."""
         pin = self._pins.pop(pin_id, None)
-        if pin is None:
-            return None
+        return None if pin is None else self._release(pin_id, pin)
+
+    def _release(self, pin_id: str, pin: _Pin) -> tuple[int, ...]:
+        """Forgets the blocks and charges of a pin already taken out of self._pins."""
         del self._by_blocks[pin.block_ids]
         held = self._tenant_blocks[pin.tenant]
         for b in pin.block_ids:
@@ -156,7 +158,7 @@ class PinRegistry:
                 heapq.heappop(heap)       # entry of a removed or refreshed pin
             elif expires_at <= now:
                 heapq.heappop(heap)
-                released.append(self.remove(pin_id))
+                released.append(self._release(pin_id, self._pins.pop(pin_id)))
             else:
                 break
         return released
@@ -169,7 +171,7 @@ class PinRegistry:
         return None if pin is None else pin.info(pin_id)
 
     def clear(self) -> list[tuple[int, ...]]:
-        released = [self.remove(pin_id) for pin_id in list(self._pins)]
+        released = [self._release(pin_id, self._pins.pop(pin_id)) for pin_id in list(self._pins)]
         self._expiry.clear()
         return released
 

@@ -40,7 +40,6 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Sequence index within a group of n samples; children are forked from index 0.
     sample_index: int = 0
-    parent_id: Optional[str] = None
 
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V is in the pool (or will be after the step that scheduled them).

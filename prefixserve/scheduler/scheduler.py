@@ -368,7 +368,6 @@ class Scheduler:
             priority=parent.priority,
             arrival_time=parent.arrival_time,
             sample_index=index,
-            parent_id=parent.request_id,
         )
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens

@@ -71,7 +71,8 @@ class _TemplateDict:
 
 
 class _GenerationTag(jinja2.ext.Extension):
-    """Accepts {% generation %}...{% endgeneration %} (used by templates to mark assistant text) and renders its body."""
+    """Accepts {% generation %}...{% endgeneration %} (used by templates to mark assistant text)
+    and renders its body."""
     tags = {"generation"}
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:

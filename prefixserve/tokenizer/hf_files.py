@@ -107,4 +107,5 @@ def read_tokenizer_files(folder: Path) -> TokenizerFiles:
     generation_eos = token_id_list(generation.get("eos_token_id"),
                                    where=f"{folder / 'generation_config.json'}: eos_token_id")
     return TokenizerFiles(special_tokens=special, chat_template=_chat_template(folder, tokenizer_config),
-                          model_max_length=model_max_length, config_eos_ids=tuple(config_eos), generation_eos_ids=tuple(generation_eos))
+                          model_max_length=model_max_length, config_eos_ids=tuple(config_eos),
+                          generation_eos_ids=tuple(generation_eos))

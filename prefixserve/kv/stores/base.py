@@ -27,7 +27,7 @@ class KVStore(ABC):
         return self.spec.display
 
     @abstractmethod
-    def get(self, key: str) -> Optional[bytes]:
+    def get(self, key: str) -> Optional[bytes | bytearray]:
         """The record under key, None if absent."""
 
     def read_into(self, key: str, buffers: Sequence[memoryview]) -> Optional[int]:
@@ -55,9 +55,9 @@ class KVStore(ABC):
     def put(self, key: str, parts: RecordParts, spill: bool = False) -> list[tuple[str, bytes]]:
         """Stores a record and makes room for it. Without spill, what it evicts is deleted. With
         spill, it returns the records chosen to make room (for the next store) and keeps
-        them readable (no longer counted in its usage) until the caller deletes each one once it has moved it on: a lookup
-        meanwhile finds a record on its way down in one store or the other, never in
-        neither."""
+        them readable (no longer counted in its usage) until the caller deletes each one once
+        it has moved it on: a lookup meanwhile finds a record on its way down in one store or
+        the other, never in neither."""
 
     @abstractmethod
     def delete(self, key: str) -> None:

@@ -43,7 +43,7 @@ class StoreChain:
         self._readers: Optional[ThreadPoolExecutor] = None   # started by the first batched read
         # Blocks queued for writing and not yet placed, by hash: lookups find them here, so
         # a block evicted from the pool is never recomputed for want of a slow writer.
-        self._staged: dict[bytes, tuple[BlockMeta, object]] = {}
+        self._staged: dict[bytes, tuple[BlockMeta, memoryview]] = {}
 
     # ------------------------------------------------------------- faults
     def _up(self, i: int) -> bool:
@@ -96,8 +96,12 @@ class StoreChain:
         payload order (for at most n blocks). Returns how many leading blocks were loaded: the
         buffers after them may hold anything. A run of blocks held by one store is read and
         verified in parallel."""
-        where = self.holds([m.block_hash for m in metas])
-        n = where.index(None) if None in where else len(where)
+        where: list[int] = []   # the store holding each leading block, up to the first none holds
+        for s in self.holds([m.block_hash for m in metas]):
+            if s is None:
+                break
+            where.append(s)
+        n = len(where)
         targets = reserve(n) if n else []
         if len(targets) < n:
             n, where = len(targets), where[:len(targets)]
@@ -173,8 +177,11 @@ class StoreChain:
             st = self._stats[i]
             st.load_seconds += time.perf_counter() - t0
             for size, error in results:
-                ok.append(size is not None and error is None)
-                st.bytes_read += size if ok[-1] else 0
+                if size is not None and error is None:
+                    st.bytes_read += size
+                    ok.append(True)
+                else:
+                    ok.append(False)
                 st.rejected += error is not None
         for meta, (size, error) in zip(metas, results):
             if error is not None:
@@ -190,7 +197,7 @@ class StoreChain:
             staged = self._staged.get(meta.block_hash)
         if staged is None or staged[0] != meta:
             return None
-        view = memoryview(staged[1]).cast("B")
+        view = staged[1]
         if view.nbytes != sum(b.nbytes for b in buffers):
             return None
         pos = 0
@@ -209,7 +216,7 @@ class StoreChain:
     def stage(self, meta: BlockMeta, payload) -> None:
         """Makes a block queued for writing findable until write() has placed it."""
         with self._lock:
-            self._staged[meta.block_hash] = (meta, payload)
+            self._staged[meta.block_hash] = (meta, memoryview(payload).cast("B"))
 
     def write(self, meta: BlockMeta, payload, persistent_only: bool = False) -> None:
         """Writes a block into the first (persistent, with persistent_only) store that is up,

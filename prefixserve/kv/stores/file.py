@@ -29,7 +29,9 @@ class FileStore(KVStore):
 
     def __init__(self, spec: StoreSpec) -> None:
         super().__init__(spec)
-        self.root = spec.path
+        if spec.path is None:
+            raise ValueError(f"a file store needs a directory: {spec.display}")
+        self.root: str = spec.path
         self.capacity = spec.size
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()   # key -> size, oldest first

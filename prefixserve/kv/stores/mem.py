@@ -12,7 +12,9 @@ from prefixserve.kv.stores.url import StoreSpec
 class MemStore(KVStore):
     def __init__(self, spec: StoreSpec) -> None:
         super().__init__(spec)
-        self.capacity = spec.size
+        if spec.size is None:
+            raise ValueError(f"a mem store needs a size in bytes: {spec.display}")
+        self.capacity: int = spec.size
         self._records: OrderedDict[str, bytes] = OrderedDict()
         # Evicted with spill and not yet deleted by the chain: readable, no longer counted.
         self._leaving: dict[str, bytes] = {}

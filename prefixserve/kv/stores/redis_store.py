@@ -19,6 +19,8 @@ class RedisStore(KVStore):
 
     def __init__(self, spec: StoreSpec) -> None:
         super().__init__(spec)
+        if spec.redis_url is None:
+            raise ValueError(f"a redis store needs a redis:// URL: {spec.display}")
         import redis
         self._errors = (redis.RedisError, OSError)
         self._client = redis.Redis.from_url(spec.redis_url, socket_timeout=spec.timeout_s,

@@ -1,4 +1,4 @@
-"""`python -m prefixserve.replicas.bench_tenants`: the `tenants` workload on engine replicas.
+"""`python -m prefixserve.benchmarks.replica_tenants`: the `tenants` workload on engine replicas.
 
 Many tenants, each with its own long system prompt and salt, their questions interleaved at
 random and sent `--concurrency` at a time. Runs 2 replicas under each router and 1 replica

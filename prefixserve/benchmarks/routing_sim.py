@@ -1,4 +1,4 @@
-"""`python -m prefixserve.replicas.sim_report`: a request log replayed over many replicas.
+"""`python -m prefixserve.benchmarks.routing_sim`: a request log replayed over many replicas.
 
 The log is the synthetic `tenants` one by default, or a logged one (`--log requests.jsonl`,
 the format `prefixserve replay` reads, rendered through `--model`'s chat template and
@@ -8,7 +8,7 @@ For each replica count: prefix-aware, round-robin and least-loaded routing over 
 blocks, against one pool of N x B blocks; hit rate, its ratio to the single pool, and the
 busiest replica's share of requests over the mean. Then prefix-aware and round-robin again
 with a shared store (`shared store` rows): the share of prompt tokens loaded from it, and the
-prompt tokens computed. No model runs: see simulator.py.
+prompt tokens computed. No model runs: see replicas/simulator.py.
 """
 from __future__ import annotations
 
