@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup demo test bench clean redis-server
+.PHONY: setup demo test lint bench clean redis-server
 
 setup: $(VENV)/.installed
 
@@ -21,6 +21,11 @@ demo: setup
 
 test: setup redis-server
 	$(PY) -m pytest -q $(ARGS)
+
+# ruff and mypy as configured in pyproject.toml ([tool.ruff], [tool.mypy])
+lint: setup
+	$(VENV)/bin/ruff check prefixserve tests scripts
+	$(VENV)/bin/mypy
 
 redis-server:
 	bash scripts/install_redis_server.sh

@@ -118,7 +118,8 @@ class LogWriter:
             "request_id": rid, "timestamp": round(self.clock, 3), "tenant": tenant, "body": body,
             "response": {"choices": [{"index": 0, "message": message,
                                       "finish_reason": "tool_calls" if tool_calls else "stop"}],
-                         "usage": {"completion_tokens": max(1, len(json.dumps(tool_calls) if tool_calls else reply) // 4)}}})
+                         "usage": {"completion_tokens":
+                                   max(1, len(json.dumps(tool_calls) if tool_calls else reply) // 4)}}})
 
 
 def chat_step(writer: LogWriter, conv: Conversation) -> None:

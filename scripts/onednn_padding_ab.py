@@ -112,7 +112,8 @@ def main() -> None:
                 best[engine_name, padded] = min(elapsed, best.get((engine_name, padded), float("inf")))
     set_padding(True)
 
-    print(f"load average at the end: {Path('/proc/loadavg').read_text().split()[:3]} (timings on a busy machine mean little)")
+    load = Path('/proc/loadavg').read_text().split()[:3]
+    print(f"load average at the end: {load} (timings on a busy machine mean little)")
     print(f"{'case':<58} {'unpadded':>10} {'padded':>10} {'padded/unpadded':>16}")
     for name in [*cases, engine_name]:
         before, after = best[name, False], best[name, True]

@@ -80,7 +80,8 @@ def to_markdown(res: BenchResults) -> str:
     c, m, lim, cost = res.config, res.machine, res.limits, res.cost
     lines = [f"Model `{c.model}` ({cost.body_params / 1e6:.1f}M body parameters, vocabulary "
              f"{cost.config.vocab_size}), dtype **{c.dtype}**, {'quick' if c.quick else 'full'} workloads. "
-             f"Machine: {m['cpu']}{_features(m)}, {m['logical_cpus']} logical CPUs, {m['threads']} torch threads, torch "
+             f"Machine: {m['cpu']}{_features(m)}, {m['logical_cpus']} logical CPUs, {m['threads']} torch threads, "
+             f"torch "
              f"{m['torch']}. The whole run took {res.seconds / 60:.1f} min.", ""]
     lines += ["## The machine's limits (measured in this run)", "",
               "| figure | value |", "|---|---|"]
@@ -90,8 +91,9 @@ def to_markdown(res: BenchResults) -> str:
     lines.append(f"| memory bandwidth (sum over {'256 MiB' if c.quick else '1 GiB'}), at the start | "
                  f"{lim.bandwidth_bytes / 1e9:.1f} GB/s |")
     best = res.best_limits()
-    lines.append(f"| best of every reading in the run (at the start, around the single-request rounds, the batched-decode "
-                 "steps' median, around prefixserve's long-doc-qa runs), which the workloads' ideal times below are set against "
+    lines.append("| best of every reading in the run (at the start, around the single-request rounds, the "
+                 "batched-decode steps' median, around prefixserve's long-doc-qa runs), which the workloads' ideal "
+                 "times below are set against "
                  f"| {best.matmul_flops / 1e9:.1f} GFLOP/s, {best.bandwidth_bytes / 1e9:.1f} GB/s |")
     if any("limits_around" in r.extra for r in res.runs if r.workload == "long-doc-qa"):
         around = res.limits_around("long-doc-qa")
@@ -130,7 +132,8 @@ def _roofline_md(roof: dict) -> list[str]:
     if not roof:
         return []
     p, d, w = roof["prefill"], roof["decode_b1"], roof["warm_ttft"]
-    return ["## prefixserve against the limits", "", "| measurement | measured | ideal | fraction |", "|---|---|---|---|",
+    return ["## prefixserve against the limits", "", "| measurement | measured | ideal | fraction |",
+            "|---|---|---|---|",
             f"| prefill, {p['tokens']}-token prompt | {p['tokens_per_s']:.0f} tok/s | {p['ideal_tokens_per_s']:.0f} "
             f"tok/s (at {p['matmul_flops'] / 1e9:.0f} GFLOP/s, the best reading around its rounds) | "
             f"{p['fraction']:.0%} |",

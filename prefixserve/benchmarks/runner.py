@@ -147,7 +147,7 @@ class _Progress:
         advance: Callable[[], None] = lambda: None
         if self.bar:
             task = self.bar.add_task(f"{name} · {workload.name}", total=len(workload.requests))
-            advance = lambda: self.bar.advance(task)  # noqa: E731
+            advance = lambda: self.bar.advance(task)
         result = engine.run(workload, advance, **kwargs)
         result.engine = name
         if self.bar and not self.bar.console.is_terminal:

@@ -9,4 +9,5 @@ from prefixserve.engine.outputs import (CachePin, CompletionOutput, EngineInfo, 
                                        RequestMetrics, RequestOutput)
 
 __all__ = ["AsyncLLM", "CachePin", "CachedContent", "CompletionOutput", "EngineClient", "EngineConfig", "EngineInfo",
-           "EngineStats", "LLM", "LLMEngine", "PinInfo", "PinResult", "RequestMetrics", "RequestOutput", "with_concrete_dtype"]
+           "EngineStats", "LLM", "LLMEngine", "PinInfo", "PinResult", "RequestMetrics", "RequestOutput",
+           "with_concrete_dtype"]

@@ -1,7 +1,7 @@
 """Every call a client makes on an engine, declared once.
 
 The HTTP server (entrypoints/server) and the tools built on it reach an engine through these
-calls only, so adding one touches four classes; tests/test_engine_client_protocol.py fails
+calls only, so adding one touches four classes; tests/engine/test_engine_client_protocol.py fails
 until each serves it in its role:
 
 - A front (asynchronous): `AsyncLLM` (one engine, run by a background thread) and

@@ -34,7 +34,8 @@ def zeros_on_huge_pages(shape: tuple[int, ...], *, dtype: torch.dtype, device: t
     Zen 4 EPYC), and a pool that a busy server grows into could meet an out-of-memory kill
     mid-request instead of a failure at start. Weights, overwritten by loading right after, skip it."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or _ADVICE is None or not sys.platform.startswith("linux"):
+    if (torch.device(device).type != "cpu" or nbytes < HUGE_PAGE or _ADVICE is None
+            or not sys.platform.startswith("linux")):
         return torch.zeros(shape, dtype=dtype, device=device)
     # private: a shared anonymous mapping is shmem, which has huge pages of its own setting (mostly off)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

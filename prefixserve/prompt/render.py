@@ -32,7 +32,7 @@ Characters -> tokens, for spans and breakpoints alike: the tokens ending at or b
 character position, from the tokenizer's character offsets. A token straddling the position
 belongs to what follows: it changes when what follows changes.
 
-tests/test_cache_control_locate.py and tests/test_prompt_render.py check all this against brute
+tests/prompt/test_cache_control_locate.py and tests/prompt/test_prompt_render.py check all this against brute
 force.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ Where to look:
     openai/             the OpenAI dialect: /v1/chat/completions, /v1/completions, their bodies
     anthropic/          the Anthropic dialect: /v1/messages and its body
     cached_contents.py  the /v1/cached_contents routes
-    --- shared by the above; never importing a dialect (tests/test_server_layers.py)
+    --- shared by the above; never importing a dialect (tests/entrypoints/server/test_server_layers.py)
     streaming.py        the one stream loop and server-sent events
     generation.py       submitting to the engine, following outputs, aborting on disconnect
     rendering.py        a request's conversation (after a cached content's) -> prompt tokens, pins
@@ -24,5 +24,5 @@ Where to look:
     gate.py, auth.py    API keys, tenants and the body-size bound, before a body is parsed
 
 The server talks to the engine only through prefixserve.engine's public API
-(tests/test_engine_boundary.py checks every import).
+(tests/entrypoints/test_engine_boundary.py checks every import).
 """

@@ -1,6 +1,6 @@
 """The FastAPI application: OpenAI-compatible endpoints, the Anthropic Messages endpoint and
 named cached contents over one AsyncLLM. The one module that mounts the dialects' routes
-(tests/test_server_layers.py keeps every other module off them)."""
+(tests/entrypoints/server/test_server_layers.py keeps every other module off them)."""
 from __future__ import annotations
 
 import contextlib

@@ -18,8 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prefixserve.errors import (CachedContentLimitError, CapacityError, ConflictError, DuplicateRequestError, EngineDeadError,
-                                EngineError, InvalidRequestError, NotFoundError, PinLimitError,
+from prefixserve.errors import (CachedContentLimitError, CapacityError, ConflictError, DuplicateRequestError,
+                                EngineDeadError, EngineError, InvalidRequestError, NotFoundError, PinLimitError,
                                 PrefixServeError, QueueFullError, RequestAbortedError)
 
 logger = logging.getLogger(__name__)

@@ -111,7 +111,8 @@ class TorchPagedAttention(AttentionBackend):
         meta = step.common
         layout = meta.kv_layout
         kernels = self._kernels
-        if self._writer is None or kernels is None or not kernels.write(self._writer, kv_cache, layout, meta.slot_mapping, k, v):
+        if (self._writer is None or kernels is None
+                or not kernels.write(self._writer, kv_cache, layout, meta.slot_mapping, k, v)):
             write_kv(kv_cache, layout, meta.slot_mapping, k, v)
 
         out = q.new_empty(q.shape)

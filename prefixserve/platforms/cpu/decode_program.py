@@ -13,7 +13,7 @@ layer, still cost ~2 ms a step).
 
 It runs the module path's kernels in the module path's order on the same
 values, so its hidden states are the module path's bits
-(`tests/test_model_decode_program.py` holds every step of a run to it). It
+(`tests/platforms/cpu/test_model_decode_program.py` holds every step of a run to it). It
 applies to steps whose every token is a decode token of a model whose every
 projection is packed (`packed_weight.py`) and whose pointwise, attention and
 loop kernels are loaded; anything else runs the modules.
@@ -51,7 +51,7 @@ class _Buffers:
     def __init__(self, rows: int, hidden: int, qkv: int, heads: int, kv_heads: int, head_dim: int,
                  intermediate: int, dtype: torch.dtype) -> None:
         self.rows = rows
-        new = lambda *shape, dtype=dtype: torch.empty(rows, *shape, dtype=dtype)  # noqa: E731
+        new = lambda *shape, dtype=dtype: torch.empty(rows, *shape, dtype=dtype)
         self.residual, self.h, self.mlp_out = new(hidden), new(hidden), new(hidden)
         self.qkv = new(qkv)
         self.q = new(heads, head_dim)
@@ -105,7 +105,8 @@ class DecodeProgram:
         torch backend itself (for bfloat16: through tiles that take its queries as they are), or a kernel it
         calls not loaded."""
         backend = model.attention_backend
-        pointwise, gemm, loop = fused_pointwise.default_kernel(), packed_gemm.default_kernel(), decode_loop.default_kernel()
+        pointwise, gemm = fused_pointwise.default_kernel(), packed_gemm.default_kernel()
+        loop = decode_loop.default_kernel()
         # the torch backend itself: a subclass may attend otherwise in forward, which the program would skip
         attention = backend.decode_kernel if type(backend) is TorchPagedAttention else None
         if layout == PANELS and attention is not None:

@@ -73,7 +73,7 @@ class DecodeLoop:
 
 def _loads(kernel: DecodeLoop) -> bool:
     """The loop computes nothing of its own: the kernels it calls are checked by their own probes, and
-    tests/test_model_decode_program.py holds its steps to the module path's bits."""
+    tests/platforms/cpu/test_model_decode_program.py holds its steps to the module path's bits."""
     return True
 
 

@@ -93,8 +93,9 @@ class FusedPointwise:
         if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
             raise ValueError(f"rms_norm: residual {tuple(residual.shape)} must be contiguous, shaped like x")
         out = torch.empty_like(x)
-        self.function("add_rms_norm", x.dtype)(target.data_ptr(), _ptr(None if residual is None else x), weight.data_ptr(), eps,
-                           out.data_ptr(), x.numel() // n, n, torch.get_num_threads())
+        self.function("add_rms_norm", x.dtype)(target.data_ptr(), _ptr(None if residual is None else x),
+                                               weight.data_ptr(), eps, out.data_ptr(), x.numel() // n, n,
+                                               torch.get_num_threads())
         return out
 
     def qk_norm_rope(self, qkv: torch.Tensor, q_heads: int, k_heads: int, head_dim: int,
@@ -153,7 +154,8 @@ class FusedPointwise:
             raise ValueError(f"silu_and_mul: gate_up {tuple(gate_up.shape)} must be contiguous [T, 2 I], I % 8 == 0")
         tokens, width = gate_up.shape
         out = gate_up.new_empty(tokens, width // 2)
-        self.function("silu_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), tokens, width // 2, torch.get_num_threads())
+        self.function("silu_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), tokens, width // 2,
+                                                     torch.get_num_threads())
         return out
 
 
@@ -187,7 +189,8 @@ def check_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
 
 def _agrees_with_torch(kernel: FusedPointwise) -> bool:
     gen = torch.Generator().manual_seed(0)
-    x, residual, w = torch.randn(3, 16, generator=gen), torch.randn(3, 16, generator=gen), torch.randn(16, generator=gen)
+    x, residual = torch.randn(3, 16, generator=gen), torch.randn(3, 16, generator=gen)
+    w = torch.randn(16, generator=gen)
     want_residual = x + residual
     normed = kernel.rms_norm(x, w, 1e-6, residual.clone())
     gate_up = torch.randn(3, 32, generator=gen) * 4

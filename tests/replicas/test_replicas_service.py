@@ -14,7 +14,7 @@ from prefixserve.entrypoints.server.config import ServerConfig
 from prefixserve.replicas.metrics import install_routing_metrics
 from prefixserve.replicas.policy import RoutingConfig
 from prefixserve.replicas.service import ReplicaConfig, ReplicaService
-from tests.test_server_api import LiveServer
+from tests.entrypoints.server.test_server_api import LiveServer
 
 pytestmark = pytest.mark.slow
 ENGINE = dict(model="random:qwen3-tiny", block_size=16, num_kv_blocks=256, dtype="float32",

@@ -14,7 +14,7 @@ import openai
 from prefixserve.benchmarks.serving_process import free_port
 from prefixserve.entrypoints.cli import build_parser
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_serve_parser_defaults_and_engine_options():

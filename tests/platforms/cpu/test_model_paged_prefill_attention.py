@@ -108,7 +108,8 @@ def test_long_chunk_over_a_long_cached_context(kernel: PagedPrefillAttention) ->
 
 
 @pytest.mark.parametrize("head_dim", [24, 64, 136])
-def test_a_bfloat16_pool_is_within_bfloat16_roundings_of_the_reference(kernel: PagedPrefillAttention, head_dim: int) -> None:
+def test_a_bfloat16_pool_is_within_bfloat16_roundings_of_the_reference(kernel: PagedPrefillAttention,
+                                                                       head_dim: int) -> None:
     """A bfloat16 pool and queries give the float64 reference within a bfloat16 rounding. The float32
     bodies give the float32 kernel's result on the same values, rounded once (bit for bit: widening is
     exact); the dot-product body sums the same exact products of Q and K in pairs, so it is held to the

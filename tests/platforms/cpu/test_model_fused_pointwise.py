@@ -186,7 +186,8 @@ def test_every_body_gives_the_avx2_bits(library: FusedPointwise, dtype, width: i
     to a shared store) meets queries computed by another on a CPU of another width. Widths and half
     head dims that are not whole 16-lane vectors run the wider bodies' tails."""
     gen = torch.Generator().manual_seed(rows * 7 + width)
-    x, residual = (torch.randn(rows, width, generator=gen) * 3).to(dtype), torch.randn(rows, width, generator=gen).to(dtype)
+    x = (torch.randn(rows, width, generator=gen) * 3).to(dtype)
+    residual = torch.randn(rows, width, generator=gen).to(dtype)
     w = torch.randn(width, generator=gen).to(dtype)
     gate_up = (torch.randn(rows, 2 * width, generator=gen) * 6).to(dtype)
     qkv = torch.randn(rows, 4 * head_dim, generator=gen).to(dtype)
@@ -235,7 +236,7 @@ def test_layers_dispatch_float32_to_the_kernels(monkeypatch) -> None:
     assert calls == ["rms_norm", "silu_and_mul"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64])  # bfloat16 has kernels too: tests/test_bf16_kernels.py
+@pytest.mark.parametrize("dtype", [torch.float64])  # bfloat16 has kernels too: tests/platforms/cpu/test_bf16_kernels.py
 def test_other_dtypes_take_the_torch_path(dtype: torch.dtype) -> None:
     norm = RMSNorm(64, 1e-6, dtype=dtype, device="cpu")
     norm.weight.data.normal_()

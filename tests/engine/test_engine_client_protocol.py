@@ -24,7 +24,7 @@ pytest.importorskip("ray")
 from prefixserve.replicas.deployment import EngineReplica  # noqa: E402
 from prefixserve.replicas.front import ReplicatedLLM  # noqa: E402
 
-REPLICAS = Path(__file__).resolve().parents[1] / "prefixserve" / "replicas"
+REPLICAS = Path(__file__).resolve().parents[2] / "prefixserve" / "replicas"
 # What a front offers beyond the protocol, for its own users (tests, tools, /metrics of the replicas).
 FRONT_EXTRAS = {"AsyncLLM": {"run_in_engine", "submit"},
                 "ReplicatedLLM": {"replica_stats", "routing", "last_routing"}}

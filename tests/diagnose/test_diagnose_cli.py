@@ -12,7 +12,7 @@ import pytest
 from prefixserve.entrypoints.cli import main
 from test_diagnose_logs import RULE_LOGS, clean_log, write_log
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()

@@ -10,7 +10,7 @@ from prefixserve.diagnose.log_reader import LogFormatError, read_log
 
 def write(tmp_path, lines):
     path = tmp_path / "log.jsonl"
-    path.write_text("\n".join(l if isinstance(l, str) else json.dumps(l) for l in lines) + "\n")
+    path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
     return path
 
 

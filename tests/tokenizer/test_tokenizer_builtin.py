@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from prefixserve.tokenizer import BUILTIN_VOCAB_SIZE, Tokenizer, load_tokenizer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_NOT_SPECIAL = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
 

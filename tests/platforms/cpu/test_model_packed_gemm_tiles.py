@@ -4,7 +4,7 @@ reads which bytes of x and of the panels, the strides, the row groups and the la
 k steps, the four column groups, the sums' round trip through memory, bias, rounding, the widened store,
 the last panel's columns, the threads' panels) is held to an independent product of the instruction's
 definition, bit for bit. What the emulation cannot show is the hardware's own rounding inside the
-instruction; on a CPU with AMX the default kernel takes the tile body and tests/test_model_packed_gemm.py
+instruction; on a CPU with AMX the default kernel takes the tile body and tests/platforms/cpu/test_model_packed_gemm.py
 holds it to float64 products and to batch invariance there.
 """
 from __future__ import annotations

@@ -78,7 +78,8 @@ def test_random_pin_sequences_keep_every_tenant_within_its_share(seed, cap, per_
     rng = random.Random(seed)
     kv, clock = manager(num_blocks=48, cap=cap, per_tenant=per_tenant)
     tenants = ["acme", "zeta", None]
-    prompts = {t: cached(kv, [(31 * k + i) % 997 for i in range(20)], t) for k, t in enumerate(tenants)}   # 5 blocks each
+    # 5 blocks each
+    prompts = {t: cached(kv, [(31 * k + i) % 997 for i in range(20)], t) for k, t in enumerate(tenants)}
     live: dict = {}        # pin id -> (blocks, tenant that placed it), with its expiry alongside
     expiry: dict = {}
     for _ in range(60):

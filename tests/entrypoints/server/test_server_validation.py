@@ -43,7 +43,8 @@ BAD_INPUTS = [
      % (MODEL, 2**63), "top_k"),
     (CHAT, '{"model": "%s", "max_tokens": 2, "top_k": %d, "messages": [{"role": "user", "content": "hi"}]}'
      % (MODEL, 10**29), "top_k"),
-    (CHAT, '{"model": "%s", "max_tokens": 2, "cache_salt": "a\\ud800b", "messages": [{"role": "user", "content": "hi"}]}'
+    (CHAT, '{"model": "%s", "max_tokens": 2, "cache_salt": "a\\ud800b", '
+           '"messages": [{"role": "user", "content": "hi"}]}'
      % MODEL, "cache_salt"),
     (CHAT, '{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "x\\udc00"}]}' % MODEL,
      "messages[0].content"),
@@ -59,7 +60,8 @@ BAD_INPUTS = [
     ("/v1/cached_contents", '{"system": "%s", "ttl": "%sh"}' % ("x " * 60, "9" * 400), "ttl"),
     ("/v1/messages", '{"model": "%s", "max_tokens": 2, "top_k": %d, "messages": [{"role": "user", "content": "hi"}]}'
      % (MODEL, 2**40), "top_k"),
-    (CHAT, '{"model": "%s", "max_tokens": 2, "chat_template": "{{ 1 }}", "messages": [{"role": "user", "content": "hi"}]}'
+    (CHAT, '{"model": "%s", "max_tokens": 2, "chat_template": "{{ 1 }}", '
+           '"messages": [{"role": "user", "content": "hi"}]}'
      % MODEL, "chat_template"),
     (CHAT, '{"model": "%s", "max_tokens": 2, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}, '
            '"messages": [{"role": "user", "content": "hi"}]}' % MODEL, "chat_template_kwargs.chat_template"),

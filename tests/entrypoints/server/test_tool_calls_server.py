@@ -150,8 +150,8 @@ def test_history_with_tool_calls_and_tool_messages_renders_them(client, server):
     ({"messages": MESSAGES + [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
                                                                      "function": {"name": "f"}}]}]},
      "messages[2].tool_calls[0]"),
-    ({"messages": MESSAGES + [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
-                                                                     "function": {"name": "f", "arguments": "{oops"}}]}]},
+    ({"messages": MESSAGES + [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
      "messages[2].tool_calls[0].function.arguments"),
 ])
 def test_bad_tool_fields_are_a_400_naming_the_field(server, body, param):

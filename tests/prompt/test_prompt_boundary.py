@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-PROMPT = Path(__file__).resolve().parents[1] / "prefixserve" / "prompt"
+PROMPT = Path(__file__).resolve().parents[2] / "prefixserve" / "prompt"
 ALLOWED = ("prefixserve.prompt", "prefixserve.errors", "prefixserve.tokenizer")
 
 

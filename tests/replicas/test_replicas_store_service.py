@@ -12,8 +12,8 @@ from prefixserve.kv.stores import open_store
 from prefixserve.replicas.policy import RoutingConfig
 from prefixserve.replicas.service import ReplicaConfig, ReplicaService
 from prefixserve.sampling_params import SamplingParams
-from tests.test_replicas_service import ENGINE, cached, cluster, wait_for  # noqa: F401 (fixture)
-from tests.test_server_api import LiveServer
+from tests.replicas.test_replicas_service import ENGINE, cached, cluster, wait_for  # noqa: F401 (fixture)
+from tests.entrypoints.server.test_server_api import LiveServer
 
 pytestmark = pytest.mark.slow
 PROMPT = [(i * 37) % 900 + 20 for i in range(200)]   # 12 full blocks of 16, one partial
@@ -69,7 +69,7 @@ def test_a_replica_serves_the_other_replicas_prefix_from_the_store(cluster, redi
 def test_the_router_sees_the_shared_store(cluster, redis_server):  # noqa: F811
     """Pools emptied by a reset, Redis still holding the prefix: the prefix-aware router routes
     the request as a store hit (it asked Redis), and the replica loads every block from there."""
-    from tests.test_replicas_service import routing
+    from tests.replicas.test_replicas_service import routing
     full_blocks = (len(PROMPT) - 1) // 16
     with store_service(redis_server.url, "prefix-aware", "store-pa") as (front, live, store):
         first = ask(live)

@@ -176,7 +176,7 @@ def test_a_model_is_packed_once_with_its_tied_head_shared(dtype: torch.dtype) ->
         for weight in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                        layer.mlp.down_proj):
             assert isinstance(weight, PackedWeight)
-    nbytes = lambda m: sum(t.numel() * t.element_size() for t in m.parameters())  # noqa: E731
+    nbytes = lambda m: sum(t.numel() * t.element_size() for t in m.parameters())
     assert nbytes(model) == nbytes(plain)         # every shape of qwen3-tiny is a multiple of the panel
     ours, theirs = hf_weight_targets(model), hf_weight_targets(plain)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

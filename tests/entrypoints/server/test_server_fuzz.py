@@ -50,6 +50,7 @@ def test_no_operation_answers_5xx_or_hangs(live):
             assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
 
         fuzz()
-    print(f"fuzzed {len(operations)} operations with {sum(statuses.values())} calls; statuses {sorted(statuses.items())}")
+    print(f"fuzzed {len(operations)} operations with {sum(statuses.values())} calls; "
+          f"statuses {sorted(statuses.items())}")
     # both sides of the schema were exercised: accepted requests and refused ones
     assert any(200 <= s < 300 for s in statuses) and any(400 <= s < 500 for s in statuses)

@@ -147,7 +147,8 @@ def test_without_keys_a_salted_content_is_not_usable_or_listed_without_its_salt(
         assert made.status_code == 200
         assert c.get("/v1/cached_contents").json()["data"] == []
         assert c.get("/v1/cached_contents", params={"cache_salt": "tenant-b"}).json()["data"] == []
-        assert [d["name"] for d in c.get("/v1/cached_contents", params={"cache_salt": "tenant-a"}).json()["data"]] == ["doc"]
+        listed = c.get("/v1/cached_contents", params={"cache_salt": "tenant-a"}).json()["data"]
+        assert [d["name"] for d in listed] == ["doc"]
         for salt in (None, "tenant-b"):
             extra = {"cache_salt": salt} if salt else {}
             r = c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "cached_content": "doc",
@@ -155,7 +156,8 @@ def test_without_keys_a_salted_content_is_not_usable_or_listed_without_its_salt(
             assert r.status_code == 404
             assert c.delete("/v1/cached_contents/doc", params=extra and {"cache_salt": salt}).status_code == 404
         r = c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "cached_content": "doc",
-                                                 "cache_salt": "tenant-a", "messages": [{"role": "user", "content": "x"}]})
+                                                 "cache_salt": "tenant-a",
+                                                 "messages": [{"role": "user", "content": "x"}]})
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
