@@ -1,4 +1,4 @@
-/* The layer loop of a bfloat16 or float32 decode step (model/decode_program.py): every layer's kernel
+/* The layer loop of a bfloat16 or float32 decode step (platforms/cpu/decode_program.py): every layer's kernel
  * calls, one after the other, from C.
  *
  * The program used to make these calls from Python: nine ctypes calls and two torch copies a layer,

@@ -1,7 +1,7 @@
 /* y[m, n] = x[m, k] @ W^T (+ bias) for every row count over a packed weight: bfloat16 (vdpbf16ps, needs
  * avx512_bf16) or float32 (FMA, needs AVX-512F); x, W and y in the one dtype, the sums in float32.
  *
- * Layout (model/packed_weight.py packs it once, at load): W[n, k] in panels of PANEL = 64 output columns,
+ * Layout (platforms/cpu/packed_weight.py packs it once, at load): W[n, k] in panels of PANEL = 64 output columns,
  * each panel contiguous, and within a panel steps of STEP elements of k (2 in bfloat16, 1 in float32):
  * wp[panel][k / STEP][64][STEP] = W[64 * panel + c][STEP * p + e]. One 64-byte vector holds 16 columns x one
  * step, so one multiply-add against the step's x broadcast to every lane adds its products to each of 16
