@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from prefixserve.kv.config import EVICTION_POLICIES, HASH_ALGOS
+from prefixserve.kv.stores.url import parse_size as parse_size  # re-exported for entry points
+from prefixserve.kv.stores.url import parse_store_url
 from prefixserve.scheduler.config import SCHEDULING_POLICIES
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 1024**3
@@ -19,7 +21,8 @@ _BACKEND_NAME = re.compile(r"[a-z0-9][a-z0-9_\-]*")
 KV_LAYOUTS = ("auto", "rows", "panels")
 # Fields the engine hands to kv and the scheduler, each checked against the values they accept,
 # so a bad one fails here rather than once the model is loaded (and entry points, which may not
-# import kv or the scheduler, take their choices from here).
+# import kv or the scheduler, take their choices from here, and parse_size: a byte count with
+# the units the store URLs take, so every size on the command line reads the same way).
 _CHOICES = {"hash_algo": HASH_ALGOS, "eviction_policy": EVICTION_POLICIES,
             "scheduling_policy": SCHEDULING_POLICIES}
 
@@ -100,8 +103,6 @@ class EngineConfig:
 
 
 def _check_kv_stores(config: EngineConfig) -> None:
-    from prefixserve.kv.stores.url import parse_store_url
-
     stores = config.kv_stores
     if isinstance(stores, str) or not isinstance(stores, (list, tuple)):
         raise ValueError(f"kv_stores must be a list of store URLs, got {stores!r}")

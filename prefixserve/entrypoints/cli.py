@@ -6,6 +6,7 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
+from prefixserve import __version__
 from prefixserve.errors import PrefixServeError
 
 # Each module defines add_parser(subparsers) and sets a `func(args) -> int` default.
@@ -19,11 +20,28 @@ COMMANDS = (
 )
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in --help: appended where its help does not already speak of it
+    (in words, where the value alone would read as None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        if "default" in help.lower():
+            return help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, **kwargs) -> None:
+        kwargs["formatter_class"] = HelpFormatter
+        super().__init__(**kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="prefixserve",
-        description="LLM inference with a paged KV cache and automatic prefix caching.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = _Parser(prog="prefixserve",
+                     description="LLM inference with a paged KV cache and automatic prefix caching.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
         importlib.import_module(name).add_parser(sub)
     return parser

@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="prefix caching on vs off on two repetitive workloads",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p, default_model="random:qwen3-0.6b")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per question")
     p.add_argument("--doc-paragraphs", type=int, default=12,
                    help="length of the long document (12 paragraphs: about 870 tokens)")
     p.set_defaults(func=run)
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         del llm
         gc.collect()
 
-    table = Table(title=f"prefix caching on vs off - {args.model}, greedy, {args.max_tokens} output tokens")
+    table = Table(title=f"prefix caching on vs off - {config.model}, greedy, {args.max_tokens} output tokens")
     for col in ("workload", "caching", "prompt tokens", "computed", "cache hits", "hit rate",
                 "TTFT p50", "total", "speed-up"):
         table.add_column(col, justify="left" if col in ("workload", "caching") else "right",

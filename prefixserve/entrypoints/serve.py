@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from prefixserve.engine.config import EngineConfig
-from prefixserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from prefixserve.entrypoints.engine_args import add_engine_args, byte_size, engine_config_from_args, say_if_random
 from prefixserve.entrypoints.server.auth import KeyTable
 from prefixserve.entrypoints.server.config import ServerConfig
 from prefixserve.entrypoints.serve_replicas import add_replica_args, run_replicated, wants_replicas
@@ -19,12 +19,13 @@ logger = logging.getLogger(__name__)
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                        description=__doc__)
-    add_engine_args(p, default_model="random:qwen3-tiny")
+    add_engine_args(p, default_model="random:qwen3-tiny", positional_model=True)
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", default=None,
-                   help="name clients pass as `model` (default: the --model string)")
+    g.add_argument("--host", default=ServerConfig.host, help="address to listen on")
+    g.add_argument("--port", type=int, default=ServerConfig.port, help="port to listen on")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id /v1/models lists and responses carry; requests may name it or "
+                        "the model itself (default: the model as given)")
     g.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                    help="sequences (each request its n) accepted and not finished; beyond this "
                         "the server answers 429 with Retry-After, so no more than this many can "
@@ -48,25 +49,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "experiments (default: %(default)s)")
     g.add_argument("--api-key", default=None,
                    help="one API key clients must send (Authorization: Bearer KEY or x-api-key); "
-                        "its holder is the only tenant and the admin")
+                        "its holder is the only tenant and the admin (default: no key asked for)")
     g.add_argument("--api-keys", type=Path, default=None, metavar="FILE",
                    help="JSON file of API keys, each naming its tenant: {\"KEY\": \"tenant\", "
                         "\"KEY2\": {\"tenant\": \"ops\", \"admin\": true}}; tenants never share "
                         "cached prefixes, cached contents or diagnoses; admin keys may reset the "
                         "cache and read /metrics; a tenant's key may ask for a priority up to its "
-                        "\"max_priority\" (default 0; admin keys: any)")
+                        "\"max_priority\" (0 where it names none; admin keys: any) (default: none)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="run chat templates sent by clients (in the render process, under a time "
                         "and memory limit); refused by default")
-    g.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
-                   help="largest request body accepted, in bytes (default: %(default)s)")
+    g.add_argument("--max-body-bytes", type=byte_size, default=ServerConfig.max_body_bytes, metavar="SIZE",
+                   help="largest request body accepted: bytes, or with a unit (64MiB) (default: %(default)s)")
     g.add_argument("--max-messages", type=int, default=ServerConfig.max_messages,
                    help="most messages in one chat request (default: %(default)s)")
-    g.add_argument("--offload-body-bytes", type=int, default=ServerConfig.offload_body_bytes,
-                   help="bodies larger than this are parsed and validated in the render process, off the "
-                        "event loop (default: %(default)s)")
+    g.add_argument("--offload-body-bytes", type=byte_size, default=ServerConfig.offload_body_bytes,
+                   metavar="SIZE",
+                   help="bodies larger than this (bytes, or with a unit: 64KiB) are parsed and validated in "
+                        "the render process, off the event loop (default: %(default)s)")
     g.add_argument("--log-level", default="info",
-                   choices=("critical", "error", "warning", "info", "debug"))
+                   choices=("critical", "error", "warning", "info", "debug"), help="least severe log lines shown")
     add_replica_args(p)
     p.set_defaults(func=run)
 
@@ -92,13 +94,13 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.max_pinned_fraction_per_tenant = tenant_pin_share(args.max_pinned_fraction,
                                                            args.max_pinned_fraction_per_tenant, keys)
-    if wants_replicas(args):
-        # Each replica bounds its own queue (429 from there); the front holds no queue.
-        return run_replicated(args, engine_config_from_args(
-            args, max_waiting=None, max_pinned_fraction=args.max_pinned_fraction), server_config)
     # The server bounds the queue itself (and answers 429); the engine stays unbounded behind it.
-    engine = LLMEngine(engine_config_from_args(args, max_waiting=None,
-                                               max_pinned_fraction=args.max_pinned_fraction))
+    # Replicated, each replica bounds its own queue (429 from there) and the front holds none.
+    engine_config = engine_config_from_args(args, max_waiting=None, max_pinned_fraction=args.max_pinned_fraction)
+    say_if_random(engine_config.model, "serving")
+    if wants_replicas(args):
+        return run_replicated(args, engine_config, server_config)
+    engine = LLMEngine(engine_config)
     app = build_app(engine, server_config)
     uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=args.log_level)
     return 0

@@ -38,7 +38,9 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_model(self, model: Optional[str]) -> None:
-        if model is not None and model != self.model_name:
+        """A request may name the served name or the model as the server was started on
+        (--served-model-name NAME serves both); /v1/models lists the served name only."""
+        if model is not None and model not in (self.model_name, self.async_llm.info.model):
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", type="invalid_request_error",
                            param="model", code="model_not_found")

@@ -109,6 +109,21 @@ def test_cache_folders_are_made_private_and_the_file_named_by_its_digest(tmp_pat
 
 
 @needs_kernel
+def test_a_build_is_announced_and_a_cache_hit_is_not(tmp_path, caplog):
+    """A first start spends seconds compiling: one line per kernel says so before each build, and
+    a start that finds the library cached says nothing."""
+    announced = f"compiling CPU kernel {NAME}"
+    with caplog.at_level(logging.INFO, logger=build.__name__):
+        first, _ = try_load(tmp_path / "kernels")
+        built = [r for r in caplog.records if announced in r.message]
+        caplog.clear()
+        again, status = try_load(tmp_path / "kernels")
+    assert first is not None and again is not None and status.active
+    assert [r.levelno for r in built] == [logging.INFO]
+    assert not any("compiling" in r.message for r in caplog.records)
+
+
+@needs_kernel
 def test_planted_library_in_a_world_writable_folder_is_not_loaded(tmp_path, private_temp, caplog):
     folder = tmp_path / "kernels"
     planted = plant(folder, compile_impostor(tmp_path))

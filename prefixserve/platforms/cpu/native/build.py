@@ -222,6 +222,8 @@ def cache_key(name: str, cc: str, defines: tuple[str, ...] = ()) -> str:
 
 def _compile(name: str, cc: str, defines: tuple[str, ...] = ()) -> bytes:
     """The library built from `<name>.c`, compiled in a private temp folder removed afterwards."""
+    # a first start compiles every kernel, seconds with nothing else to show for them
+    logger.info("compiling CPU kernel %s (once; later starts load it from the cache)", name)
     try:
         scratch = tempfile.mkdtemp(prefix="prefixserve-build-")
     except OSError as exc:
