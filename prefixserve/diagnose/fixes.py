@@ -82,6 +82,8 @@ class FixPlan:
             elif f.rule == "template-rewrite":
                 plan.no_reasoning_salts.add(salt)
             elif f.rule in ("history-rewrite", "history-truncation"):
+                # Two edited messages in one request: findings come in prompt order, and the
+                # later one's anchor lies past both edits.
                 plan.history[f.request_id] = (f.compared_to, f.fix_data["anchor"],
                                               f.fix_data["earlier_anchor"])
         return plan

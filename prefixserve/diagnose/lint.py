@@ -13,9 +13,17 @@ token-closest one while R's own previous turn is what it would have reused. The 
 the one whose findings explain the most reuse. A part that differs only in whitespace is
 whitespace-drift's, whichever other rule would also match it.
 
+Looking again. A mistake can hide behind another in the same part or behind it: whitespace
+drifting in a system prompt that also carries a timestamp, in tools that are also shuffled, in
+a history that was also rewritten. So once the findings' parts are restored, the rules run
+again on the restored request against E, until no rule finds a part not reported yet; each
+restore undoes its own mistake only (dynamic-system the values, whitespace-drift the
+whitespace, tool-order the order), so they compose in any order.
+
 Tokens lost, one definition for every rule. Let E be the earlier request R is compared with and
-f_1..f_n R's findings in prompt order. R_0 = R; R_k = R_{k-1} with the part f_k names made
-identical to E's (the rule's `restore`). reach(R_k) = the prompt tokens the engine reuses for
+f_1..f_n R's findings in prompt order: by the first token of R that undoing f_k alone changes.
+R_0 = R; R_k = R_{k-1} with the part f_k names made identical to E's (the rule's `restore`).
+reach(R_k) = the prompt tokens the engine reuses for
 R_k: a lookup (find_cached_prefix) in the cache exactly as the requests logged before R left
 it. Then
 
@@ -70,7 +78,7 @@ class RequestReport:
                 "after_fixes": {"tokens": self.fixed_tokens,
                                 "reusable_tokens": self.fixed_reusable_tokens},
                 "divergence": self.divergence.to_dict() if self.divergence else None,
-                "rules": [f.rule for f in self.findings]}
+                "rules": list(dict.fromkeys(f.rule for f in self.findings))}
 
 
 @dataclass
@@ -283,11 +291,70 @@ def lint(records: list[LogRecord], renderer: Renderer, *, block_size: int = 16,
 
 
 def _candidate(pair: Pair, renderer: Renderer) -> _Candidate:
-    """Runs every rule on the pair and builds R_1..R_k (see the module docstring)."""
+    """Runs every rule on the pair and builds R_1..R_k (see the module docstring). With the
+    findings' parts restored, the rules look again: a mistake another one covered (drifting
+    whitespace behind a shuffled tool list, in a history that was also rewritten) is reported
+    too. All are measured in prompt order: by the first token each one's restore changes."""
+    earlier = pair.earlier.record
+    found: list[tuple[int, Finding]] = []
+    seen: set[tuple[str, str]] = set()
+    view, record = pair, pair.current.record
+    for _ in RULES:   # each pass finds a rule on a part not seen before, or stops
+        new = [f for f in _checked(view) if (f.rule, f.part) not in seen]
+        if not new:
+            break
+        for f in new:
+            seen.add((f.rule, f.part))
+            touch = _first_change(f, view.current, earlier, renderer)
+            if view is not pair:
+                f.position = _moved(f.position, view.current, pair.current)
+                touch = _moved(touch, view.current, pair.current)
+            found.append((touch, f))
+        for f in new:
+            restored = RULES_BY_ID[f.rule].restore(f, record, earlier)
+            record = record if restored is None else restored
+        try:
+            again = renderer.render(record)
+        except ValueError:   # the template refuses the restored conversation: look no further
+            break
+        view = Pair(again, pair.earlier, common_prefix_len(again.token_ids,
+                                                           cached_sequence(pair.earlier)),
+                    pair.block_size, pair.count_tokens)
+    found.sort(key=lambda t: t[0])   # stable: ties keep the order they were found in
+    return _chain(pair, [f for _, f in found], renderer)
+
+
+def _checked(pair: Pair) -> list[Finding]:
     found = [f for f in (rule.check(pair) for rule in RULES) if f is not None]
     claimed = {label for f in found if f.rule == "whitespace-drift" for label in f.fix_data["labels"]}
     found = [f for f in found if f.rule == "whitespace-drift" or f.part not in claimed]
-    found.sort(key=lambda f: f.position)
+    return sorted(found, key=lambda f: f.position)
+
+
+def _first_change(f: Finding, current: RenderedRequest, earlier: LogRecord,
+                  renderer: Renderer) -> int:
+    """The first token of `current` that undoing f alone changes: where f sits in the prompt,
+    even when another mistake in the same part comes first."""
+    restored = RULES_BY_ID[f.rule].restore(f, current.record, earlier)
+    if restored is None:
+        return f.position
+    try:
+        return common_prefix_len(current.token_ids, renderer.prompt_ids(restored))
+    except ValueError:
+        return f.position
+
+
+def _moved(position: int, again: RenderedRequest, current: RenderedRequest) -> int:
+    """A position in a restored request as the same place in the request as logged: the
+    same offset into the part (span) holding it."""
+    span = again.span_at(position)
+    own = current.span_of(span.kind, span.message_index) if span else None
+    if span is None or own is None:
+        return min(position, len(current.token_ids))
+    return min(own.start + position - span.start, max(own.start, own.end - 1))
+
+
+def _chain(pair: Pair, found: list[Finding], renderer: Renderer) -> _Candidate:
     record, earlier = pair.current.record, pair.earlier.record
     reaches: list[_Reach] = []
     probes: list[list[int]] = []

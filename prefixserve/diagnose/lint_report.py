@@ -49,8 +49,9 @@ def _rules(r: RequestReport) -> str:
     # A finding may compare with the request's own previous turn rather than with the
     # token-closest request its divergence names: then it says which.
     closest = r.divergence.compared_to if r.divergence else None
-    return ", ".join(f.rule + (f" vs {f.compared_to}" if f.compared_to != closest else "")
-                     for f in r.findings)
+    # a rule found on two parts of one request (two edited messages) is named once
+    return ", ".join(dict.fromkeys(f.rule + (f" vs {f.compared_to}" if f.compared_to != closest else "")
+                                   for f in r.findings))
 
 
 def _divergence_line(r: RequestReport) -> str:

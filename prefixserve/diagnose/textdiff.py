@@ -134,3 +134,34 @@ def restore_leading_changes(old: str, new: str) -> str:
     for (tag, i1, i2, j1, j2), later in zip(ops, stable_later):
         out.extend(old_lines[i1:i2] if tag != "equal" and later else new_lines[j1:j2])
     return "\n".join(out)
+
+
+def restore_words(old: str, new: str) -> str:
+    """new with every run of changed words put back to old's words, new's whitespace kept
+    elsewhere. Its mirror, restore_words(new, old), is new with old's whitespace and new's
+    words: the two undo one mistake each (a changed value, drifted whitespace) of a text that
+    carries both, and applied one after the other in either order they give old."""
+    a = [(m.start(), m.end()) for m in _WORD.finditer(old)]
+    b = [(m.start(), m.end()) for m in _WORD.finditer(new)]
+    ops = difflib.SequenceMatcher(a=[old[s:e] for s, e in a], b=[new[s:e] for s, e in b],
+                                  autojunk=False).get_opcodes()
+    out = new
+    for tag, i1, i2, j1, j2 in reversed(ops):   # from the end: earlier offsets stay valid
+        if tag == "equal":
+            continue
+        if j1 == j2:   # words only old has: inserted with the whitespace that follows them
+            at = b[j1][0] if j1 < len(b) else len(new.rstrip())
+            text = old[a[i1][0]:a[i2][0]] if i2 < len(a) else old[a[i1 - 1][1] if i1 else 0:a[i2 - 1][1]]
+            out = out[:at] + text + out[at:]
+        elif i1 == i2:   # words only new has: removed with the whitespace that follows them
+            lo, hi = (b[j1][0], b[j2][0]) if j2 < len(b) else (b[j1 - 1][1] if j1 else 0, b[j2 - 1][1])
+            out = out[:lo] + out[hi:]
+        else:
+            out = out[:b[j1][0]] + old[a[i1][0]:a[i2 - 1][1]] + out[b[j2 - 1][1]:]
+    return out
+
+
+def whitespace_drifts(old: str, new: str) -> bool:
+    """Somewhere the two texts hold the same words with different whitespace between them,
+    whatever else changed: whitespace drift sharing a part with another mistake."""
+    return restore_words(new, old) != new

@@ -6,7 +6,8 @@ from typing import Optional
 
 from prefixserve.diagnose.log_reader import LogRecord
 from prefixserve.diagnose.rules.base import Finding, Pair, excerpt, system_text, with_system
-from prefixserve.diagnose.textdiff import ChangedValue, changed_values, without_whitespace
+from prefixserve.diagnose.textdiff import (ChangedValue, changed_values, restore_words,
+                                           without_whitespace)
 from prefixserve.prompt import SYSTEM
 
 MAX_VALUES = 6          # more changed places than this is a different prompt, not a few values
@@ -54,4 +55,6 @@ class DynamicSystem:
 
     def restore(self, finding: Finding, current: LogRecord,
                 earlier: LogRecord) -> Optional[LogRecord]:
-        return with_system(current, earlier.messages[0]["content"])
+        # The values only: whitespace drifting in the same prompt is whitespace-drift's to undo.
+        return with_system(current, restore_words(earlier.messages[0]["content"],
+                                                  current.messages[0]["content"]))

@@ -5,7 +5,9 @@ A part whose earlier and current texts differ only in whitespace (textdiff.white
 equal once every whitespace character is deleted) belongs to this rule whatever else its
 change looks like: a blank line inserted between sentences is no volatile content, no
 dynamic value and no history rewrite. The other rules leave such parts alone, and lint drops
-any other finding on a part this rule claims.
+any other finding on a part this rule claims. A system prompt whose words also changed (a
+timestamp) is this rule's too where the same words sit between different whitespace: each
+mistake is reported, and each restore undoes its own (textdiff.restore_words).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from typing import Optional
 
 from prefixserve.diagnose.log_reader import LogRecord
 from prefixserve.diagnose.rules.base import Finding, Pair, content_key, excerpt, whitespace_equal
+from prefixserve.diagnose.rules.tool_order import tools_restyled
+from prefixserve.diagnose.textdiff import restore_words, whitespace_drifts
 from prefixserve.prompt import HISTORY, NEW_TURN, PROMPT, SYSTEM, TOOLS, Span, common_prefix_len
 
 
@@ -26,15 +30,19 @@ class WhitespaceDrift:
            "leading/trailing newlines. Normalise text once where it enters your prompt builder.")
 
     def check(self, pair: Pair) -> Optional[Finding]:
-        drifted = [p for p in self._parts(pair) if whitespace_equal(p[2], p[3])]
+        drifted = [p for p in self._parts(pair) if whitespace_equal(p[2], p[3])
+                   or (p[1] == ("message", 0) and p[0] is not None and p[0].kind == SYSTEM
+                       and whitespace_drifts(p[2], p[3]))]
         if not drifted:
             return None
         drifted.sort(key=lambda p: pair.position_in(p[0]))
         span, _, a, b = drifted[0]
         labels = [self._label(p[0], p[1]) for p in drifted]
+        what = "texts equal without whitespace differ" if whitespace_equal(a, b) else (
+            "same words, different whitespace")
+        a = restore_words(b, a)   # b's words in a's whitespace: a itself when only whitespace differs
         at = common_prefix_len(a, b)
-        detail = (f"texts equal without whitespace differ at character {at}: "
-                  f"{a[at:at + 6]!r} vs {b[at:at + 6]!r}")
+        detail = f"{what} at character {at}: {a[at:at + 6]!r} vs {b[at:at + 6]!r}"
         if len(drifted) > 1:
             detail += f"; also drifted: {', '.join(labels[1:])}"
         return Finding(
@@ -47,14 +55,18 @@ class WhitespaceDrift:
         messages = [dict(m) for m in current.messages] if current.is_chat else None
         tools, prompt = current.tools, current.prompt
         for kind, index in finding.fix_data["parts"]:
+            # The current words in the earlier whitespace: the earlier text itself unless
+            # another mistake changed words in the same part.
             if kind == "prompt":
-                prompt = earlier.prompt
+                prompt = restore_words(prompt, earlier.prompt)
             elif kind == "tools":
-                tools = earlier.tools
+                tools = tools_restyled(tools, earlier.tools)
             elif kind == "message":
-                messages[index]["content"] = earlier.messages[index]["content"]
+                messages[index]["content"] = restore_words(messages[index]["content"],
+                                                           earlier.messages[index]["content"])
             elif kind == "reply":
-                messages[index]["content"] = earlier.output_text
+                messages[index]["content"] = restore_words(messages[index]["content"],
+                                                           earlier.output_text)
         return replace(current, messages=messages, tools=tools, prompt=prompt)
 
     @staticmethod
