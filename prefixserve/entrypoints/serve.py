@@ -59,6 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="run chat templates sent by clients (in the render process, under a time "
                         "and memory limit); refused by default")
+    g.add_argument("--allow-unknown-fields", action="store_true",
+                   help="accept request fields the server does not know (dropped, and logged once per "
+                        "field name) instead of answering 400 naming them, for clients that send extras")
     g.add_argument("--max-body-bytes", type=byte_size, default=ServerConfig.max_body_bytes, metavar="SIZE",
                    help="largest request body accepted: bytes, or with a unit (64MiB) (default: %(default)s)")
     g.add_argument("--max-messages", type=int, default=ServerConfig.max_messages,
@@ -88,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
                                  max_waiting=args.max_waiting, retry_after_s=args.retry_after_s,
                                  cache_ttl_scale=args.cache_ttl_scale, keys=keys,
                                  trust_request_chat_template=args.trust_request_chat_template,
+                                 allow_unknown_fields=args.allow_unknown_fields,
                                  max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
                                  offload_body_bytes=args.offload_body_bytes)
     logging.basicConfig(level=args.log_level.upper(),

@@ -86,9 +86,13 @@ class Scheduler:
                 f"prompt has {num_prompt_tokens} tokens; max_model_len is {self.config.max_model_len} "
                 "and at least one token must be generated", param="prompt")
         if total > self.config.max_model_len:
+            # the client asked for too many tokens, not for too long a prompt: name max_tokens and
+            # the most this prompt leaves room for
+            largest = self.config.max_model_len - num_prompt_tokens
             raise PromptTooLongError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-                f"exceeds max_model_len ({self.config.max_model_len})", param="prompt")
+                f"max_tokens must be at most {largest} for this prompt: its {num_prompt_tokens} tokens "
+                f"+ max_tokens {max_tokens} = {total} exceed max_model_len ({self.config.max_model_len})",
+                param="max_tokens")
         blocks = -(-total // self.kv.block_size)
         if blocks > self.kv.num_blocks:
             raise PromptTooLongError(

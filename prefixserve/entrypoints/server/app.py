@@ -20,7 +20,7 @@ from prefixserve.entrypoints.server.cached_contents import (CachedContentCreate,
                                                             get_cached_content, list_cached_contents,
                                                             update_cached_content)
 from prefixserve.entrypoints.server.config import ServerConfig
-from prefixserve.entrypoints.server.errors import install_error_handlers
+from prefixserve.entrypoints.server.errors import APIError, install_error_handlers
 from prefixserve.entrypoints.server.gate import Gate
 from prefixserve.entrypoints.server.metrics import ServerMetrics
 from prefixserve.entrypoints.server.openai.chat import create_chat_completion
@@ -99,11 +99,22 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
     app.openapi = openapi_with_bodies
     app.delete("/v1/cached_contents/{key}")(delete_cached_content)
 
+    def model_card(s: ServerState) -> ModelCard:
+        return ModelCard(id=s.model_name, created=s.created, max_model_len=s.async_llm.max_model_len)
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
+        return JSONResponse(ModelList(data=[model_card(get_state(request))]).model_dump())
+
+    # {model_id:path}: served names may hold slashes (Qwen/Qwen3-8B)
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(request: Request, model_id: str) -> JSONResponse:
         s = get_state(request)
-        card = ModelCard(id=s.model_name, created=s.created, max_model_len=s.async_llm.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        if model_id != s.model_name:
+            raise APIError(404, f"The model {model_id[:200]!r} does not exist; this server serves "
+                                f"{s.model_name!r}", type="not_found_error", param="model",
+                           code="model_not_found")
+        return JSONResponse(model_card(s).model_dump())
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

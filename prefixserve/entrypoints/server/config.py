@@ -40,6 +40,9 @@ class ServerConfig:
     max_cache_ttl_s: float = 7 * 86400.0
     # A chat template sent by the client runs only when the operator trusts clients with it.
     trust_request_chat_template: bool = False
+    # Unknown request fields are a 400 naming them, as on OpenAI's API; with this they are
+    # accepted, dropped and logged once per field name, for clients that send extras.
+    allow_unknown_fields: bool = False
     # Longest one rendering may take in the render process before it is killed (a 400).
     render_timeout_s: float = 10.0
 

@@ -132,7 +132,8 @@ class Generation:
 
 async def submit(async_llm: AsyncLLM, config: ServerConfig, metrics: ServerMetrics, base_id: str,
                  prompts: list[list[int]], params: SamplingParams, *, cache_salt: Optional[str],
-                 priority: int, param: str, cache_pins: Sequence[CachePin] = ()) -> Generation:
+                 priority: int, param: str, cache_pins: Sequence[CachePin] = (),
+                 renames: Optional[dict[str, str]] = None) -> Generation:
     """Adds every prompt; if any is refused, aborts the ones already added and raises APIError."""
     ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
     streams: list[RequestStream] = []
@@ -146,6 +147,6 @@ async def submit(async_llm: AsyncLLM, config: ServerConfig, metrics: ServerMetri
             async_llm.abort(rid)
         if isinstance(exc, Exception):
             raise api_error(exc, param=param, retry_after_s=config.retry_after_s,
-                            renames={"prompt": param}) from exc
+                            renames={"prompt": param, **(renames or {})}) from exc
         raise
     return Generation(async_llm, ids, streams, [metrics.recorder() for _ in ids], config, param, params.n)

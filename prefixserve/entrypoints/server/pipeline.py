@@ -166,6 +166,6 @@ async def start(request: Request, ask: GenerationRequest) -> Call:
         raise api_error(exc, renames=ask.renames) from None
     live = LiveDiagnosis(state.explainer, wanted, salt, prepared.rendered.spans if prepared else None)
     gen = await submit(state.async_llm, state.config, state.metrics, new_id(ask.id_prefix), prompts, params,
-                       cache_salt=salt, priority=priority, param=ask.param,
+                       cache_salt=salt, priority=priority, param=ask.param, renames=ask.renames,
                        cache_pins=prepared.plan.pins if prepared is not None else ())
     return Call(state, gen, prepared, live, tools, created=int(time.time()))

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 
 class StrictModel(BaseModel):
+    """Types are checked without coercion. Unknown fields are refused before a model sees the
+    body (fields.py); the ones an operator lets through are dropped here, and their paths kept
+    so that the server logs them."""
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    _unknown_fields: tuple[str, ...] = PrivateAttr(default=())
 
 
 class PrefixserveOptions(StrictModel):

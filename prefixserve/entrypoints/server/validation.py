@@ -32,6 +32,7 @@ class BodyLimits:
     """What a server takes; crosses into the process that parses large bodies."""
     max_messages: int
     trust_request_chat_template: bool
+    allow_unknown_fields: bool = False
 
 
 def check_parsed_body(body: Any, limits: BodyLimits) -> None:

@@ -318,7 +318,7 @@ BAD_COMPLETIONS = [
     (json.dumps({"model": MODEL, "prompt": "hi", "cache_salt": ""}), "cache_salt", "cache_salt"),
     (json.dumps({"model": MODEL, "prompt": [10**9]}), "prompt", "token id"),
     (json.dumps({"model": MODEL, "prompt": "word " * 3000, "max_tokens": 4}), "prompt", "max_model_len"),
-    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 5000}), "prompt", "max_model_len"),
+    (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 5000}), "max_tokens", "max_model_len"),
 ]
 BAD_CHATS = [
     ({"model": MODEL, "messages": []}, "messages"),

@@ -69,7 +69,9 @@ def _generation_request(body: ChatCompletionRequest, parsed: ParsedChat) -> Gene
         priority=body.priority, diagnose=body,
         prompt=ChatPrompt(parsed.source, body.cached_content, body.add_generation_prompt,
                           _template_kwargs(body)),
-        sampling=sampling, renames={"logprobs": "top_logprobs"}, check=check,
+        sampling=sampling, check=check,
+        renames={"logprobs": "top_logprobs",
+                 **({"max_tokens": "max_completion_tokens"} if body.max_completion_tokens is not None else {})},
         tools=lambda tokenizer: chat_tools(body, tokenizer))
 
 

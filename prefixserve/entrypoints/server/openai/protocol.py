@@ -1,22 +1,31 @@
 """Request and response bodies of the OpenAI-compatible API.
 
 Requests validate strictly (a string where a number belongs is a 400, never
-coerced) and ignore unknown fields as OpenAI does. Range checks live in
-SamplingParams, which names the bad field.
+coerced) and refuse unknown fields at any depth as OpenAI does (fields.py). Range
+checks live in SamplingParams, which names the bad field. Fields of OpenAI's API that
+change nothing here are declared and ignored; those that would change the answer are
+in the bodies' `unsupported` tables (docs/api-fields.md lists both).
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from prefixserve.entrypoints.server.fields import Shape, Unsupported
 from prefixserve.entrypoints.server.protocol import DiagnoseFields, StrictModel
 from prefixserve.entrypoints.server.usage import TokenUsage
 from prefixserve.sampling_params import SamplingParams
 
 
+RESPONSE_FORMAT_KEYS: Shape = {"type": None, "json_schema": {"name": None, "description": None, "schema": None,
+                                                            "strict": None}}
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    # ignored: padding that hides chunk sizes on the wire; nothing a client reads
+    include_obfuscation: Optional[bool] = None
 
 
 class _GenerationRequest(DiagnoseFields):
@@ -40,6 +49,7 @@ class _GenerationRequest(DiagnoseFields):
     logit_bias: Optional[dict[str, float]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    # ignored: an end-user id for OpenAI's abuse monitoring
     user: Optional[str] = None
     # Requests with different salts never share cached blocks (tenant isolation).
     cache_salt: Optional[str] = None
@@ -84,10 +94,24 @@ class CompletionRequest(_GenerationRequest):
     best_of: Optional[int] = None
     # as on chat completions (one parser: tools.py response_format_of)
     response_format: Optional[dict[str, Any]] = None
+    field_keys: ClassVar[dict[str, Shape]] = {
+        "response_format": RESPONSE_FORMAT_KEYS}
+
+
+FUNCTION_KEYS: Shape = {"name": None, "arguments": None}
+TOOL_CALL_KEYS: Shape = {"id": None, "type": None, "function": FUNCTION_KEYS}
 
 
 class ContentPart(StrictModel):
+    # Other part kinds (image_url, input_audio, file) parse here and are refused with a clear message.
     model_config = ConfigDict(strict=True, extra="allow")
+    known_extra: ClassVar[frozenset[str]] = frozenset({
+        "image_url", "input_audio", "file", "refusal",
+        # ignored: OpenAI's own breakpoint hint; prefixserve's is cache_control
+        "prompt_cache_breakpoint"})
+    field_keys: ClassVar[dict[str, Shape]] = {
+        "image_url": {"url": None, "detail": None}, "input_audio": {"data": None, "format": None},
+        "file": {"file_data": None, "file_id": None, "filename": None}}
     type: str
     text: Optional[str] = None
     # Anthropic-style prompt-caching breakpoint (prefixserve extension), checked when rendering.
@@ -97,6 +121,11 @@ class ContentPart(StrictModel):
 class ChatMessage(StrictModel):
     # Templates may read fields we do not know (tool_calls, reasoning_content, ...): keep them.
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    known_extra: ClassVar[frozenset[str]] = frozenset({
+        "tool_calls", "tool_call_id", "function_call", "refusal", "audio",
+        "reasoning_content", "reasoning"})  # the last two: what vLLM's clients send back
+    field_keys: ClassVar[dict[str, Shape]] = {"tool_calls": TOOL_CALL_KEYS, "function_call": FUNCTION_KEYS,
+                                              "audio": {"id": None}}
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
@@ -104,7 +133,25 @@ class ChatMessage(StrictModel):
     cache_control: Optional[dict[str, Any]] = None
 
 
+def _text_only(modalities: Any) -> bool:
+    return modalities is None or modalities == ["text"]
+
+
 class ChatCompletionRequest(_GenerationRequest):
+    unsupported: ClassVar[dict[str, Unsupported]] = {
+        "audio": Unsupported("answers are text only"),
+        "modalities": Unsupported('answers are text only (modalities ["text"] is accepted)', _text_only),
+        "prediction": Unsupported("predicted outputs are not implemented"),
+        "web_search_options": Unsupported("this server does not search the web"),
+        "functions": Unsupported("use tools"),
+        "function_call": Unsupported("use tool_choice"),
+    }
+    field_keys: ClassVar[dict[str, Shape]] = {
+        "tools": {"type": None, "cache_control": None,
+                  "function": {"name": None, "description": None, "parameters": None, "strict": None}},
+        "tool_choice": {"type": None, "function": {"name": None}},
+        "response_format": RESPONSE_FORMAT_KEYS,
+    }
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
@@ -121,6 +168,16 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template: Optional[str] = None
     # Id or name of a cached content (POST /v1/cached_contents) the prompt starts with.
     cached_content: Optional[str] = None
+    # Accepted and ignored: what OpenAI stores, bills, monitors or routes by, and hints a model
+    # without those controls cannot follow (docs/api-fields.md).
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None
 
 
 # ------------------------------------------------------------------ responses

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from fastapi.exceptions import RequestValidationError
 
 from prefixserve.entrypoints.server.errors import validation_error
+from prefixserve.entrypoints.server.fields import check_fields, log_unknown_fields
 from prefixserve.entrypoints.server.validation import BodyLimits, check_parsed_body
 from prefixserve.errors import InvalidRequestError
 from prefixserve.prompt import Conversation
@@ -81,11 +82,20 @@ def parse_body(raw: bytes, model: type[BaseModel], limits: BodyLimits) -> BaseMo
     except ValueError as exc:  # JSONDecodeError, and bytes that are not UTF-8
         raise InvalidRequestError(f"malformed JSON body: {exc}", code="invalid_json") from None
     check_parsed_body(data, limits)
+    unknown = check_fields(data, model, limits.allow_unknown_fields)
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as exc:
         errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False, include_context=False)]
         raise validation_error(RequestValidationError(errors)) from None
+    if unknown:
+        body._unknown_fields = tuple(unknown)  # logged by the server process (_logged)
+    return body
+
+
+def _logged(body: Any) -> Any:
+    log_unknown_fields(list(getattr(body, "_unknown_fields", ())))
+    return body
 
 
 def parse_chat(raw: bytes, kind: str, limits: BodyLimits) -> tuple[BaseModel, Conversation]:
@@ -96,7 +106,7 @@ def parse_chat(raw: bytes, kind: str, limits: BodyLimits) -> tuple[BaseModel, Co
 
 def _limits(request: Request) -> BodyLimits:
     config = request.app.state.server.config
-    return BodyLimits(config.max_messages, config.trust_request_chat_template)
+    return BodyLimits(config.max_messages, config.trust_request_chat_template, config.allow_unknown_fields)
 
 
 async def _raw(request: Request) -> bytes:
@@ -116,8 +126,8 @@ def json_body(model: type[BaseModel]) -> Callable:
     async def dependency(request: Request) -> Any:
         raw = await _raw(request)
         if _offloaded(request, raw):
-            return await request.app.state.server.renderer.parse(raw, model, _limits(request))
-        return parse_body(raw, model, _limits(request))
+            return _logged(await request.app.state.server.renderer.parse(raw, model, _limits(request)))
+        return _logged(parse_body(raw, model, _limits(request)))
     return dependency
 
 
@@ -127,8 +137,9 @@ def chat_body(kind: str) -> Callable:
         raw = await _raw(request)
         if _offloaded(request, raw):
             body, source = await request.app.state.server.renderer.parse_chat(raw, kind, _limits(request))
-            return ParsedChat(body, source)
-        return ParsedChat(*parse_chat(raw, kind, _limits(request)))
+            return ParsedChat(_logged(body), source)
+        body, conversation = parse_chat(raw, kind, _limits(request))
+        return ParsedChat(_logged(body), conversation)
     return dependency
 
 
