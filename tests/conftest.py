@@ -12,6 +12,16 @@ tests (copy it with shutil.copytree before modifying anything).
   model.safetensors.index.json.
 - redis_server: a real redis-server (Debian's package) on a free port in the test's tmp_path,
   killed afterwards (tests/redis_server.py).
+- client, claude: the official OpenAI and Anthropic clients on the module's `server` (the default
+  one is tests/entrypoints/server/conftest.py's; a module may define its own).
+
+What several test modules share lives beside this file, never in a test module (no test module
+imports another: tests/test_test_tree.py): live_server.py (LiveServer, the shared ENGINE and
+MODEL, assert_pool_idle, metrics), tool_fixtures.py, bad_inputs.py, diagnose_logs.py,
+cache_reuse_oracle.py, routing_oracle.py, replica_service.py, prefix_caching_oracle.py,
+bf16_reference.py, waiting.py (wait_until), checkpoint_factory.py, redis_server.py,
+kv_store_helpers.py, native_kernel_build.py and import_graph.py. Fixtures a folder shares sit
+in its conftest.py (entrypoints/server/: server, http; replicas/: cluster).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from prefixserve.entrypoints.cli import main
-from test_diagnose_logs import RULE_LOGS, clean_log, write_log
+from diagnose_logs import RULE_LOGS, clean_log, write_log
 
 ROOT = Path(__file__).resolve().parents[2]
 

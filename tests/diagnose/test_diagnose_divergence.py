@@ -8,7 +8,7 @@ import pytest
 from prefixserve.diagnose import lint, load_renderer, read_log
 from prefixserve.diagnose.divergence import ClosestPrefixIndex
 from prefixserve.prompt import common_prefix_len
-from test_diagnose_logs import RULE_LOGS, clean_log, write_log
+from diagnose_logs import RULE_LOGS, clean_log, write_log
 
 
 def brute_lcp(a, b) -> int:

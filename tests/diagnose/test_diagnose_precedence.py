@@ -1,7 +1,7 @@
 """A part whose earlier and current texts differ only in whitespace is whitespace-drift's,
 whatever else its change resembles (a rewritten message, re-serialised tools, changed lines);
 a real change elsewhere in the same request is still reported as its own rule. Tokens lost are
-checked against the engine's kv code driven directly (test_diagnose_textbook.Engine)."""
+checked against the engine's kv code driven directly (tests/cache_reuse_oracle.py Engine)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,8 @@ import random
 import pytest
 
 from prefixserve.diagnose import lint, load_renderer, read_log
-from test_diagnose_logs import STABLE, TOOLS, assistant, chat, question, sys, user, write_log
-from test_diagnose_textbook import SALT, Engine
+from diagnose_logs import STABLE, TOOLS, assistant, chat, question, sys, user, write_log
+from cache_reuse_oracle import SALT, Engine
 
 
 @pytest.fixture(scope="module")

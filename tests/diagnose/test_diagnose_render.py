@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prefixserve.diagnose import load_renderer
 from prefixserve.diagnose.log_reader import LogRecord
-from test_diagnose_logs import STABLE, TOOLS, assistant, sys, user
+from diagnose_logs import STABLE, TOOLS, assistant, sys, user
 
 
 def test_spans_cover_the_prompt_and_hold_their_messages():

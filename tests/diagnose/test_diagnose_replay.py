@@ -10,7 +10,7 @@ from prefixserve import LLM, SamplingParams
 from prefixserve.diagnose import load_renderer, read_log
 from prefixserve.diagnose.lint import to_replay
 from prefixserve.diagnose.replay import ReplayConfig, ReplayRequest, replay, replay_unbounded
-from test_diagnose_logs import RULE_LOGS, clean_log, write_log
+from diagnose_logs import RULE_LOGS, clean_log, write_log
 
 BS = 16
 

@@ -5,7 +5,7 @@ import pytest
 
 from prefixserve.diagnose import lint, load_renderer, read_log
 from prefixserve.diagnose.rules import RULE_IDS
-from test_diagnose_logs import RULE_LOGS, clean_log, write_log
+from diagnose_logs import RULE_LOGS, clean_log, write_log
 
 
 @pytest.fixture(scope="module")

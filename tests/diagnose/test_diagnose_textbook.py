@@ -21,11 +21,8 @@ import pytest
 from prefixserve.diagnose import lint, load_renderer, read_log
 from prefixserve.diagnose.fixes import apply_fixes
 from prefixserve.diagnose.lint_report import format_lint
-from prefixserve.kv import KVCacheConfig, KVCacheManager
-from test_diagnose_logs import write_log
-
-SALT = "acme"
-BLOCK = 16
+from cache_reuse_oracle import BLOCK, SALT, Engine
+from diagnose_logs import write_log
 REQUESTS = 300
 WORDS = ("request build cache token module server client test deploy branch merge config "
          "latency queue worker thread memory index schema table column query batch retry "
@@ -156,35 +153,6 @@ def _openers() -> list[str]:
 
 
 OPENERS = _openers()
-
-
-class Engine:
-    """Serves prompts one at a time through prefixserve.kv as the engine fills its cache (the
-    prompt, then the generated reply and end-of-turn token), in a pool that never evicts."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tok = tokenizer
-        self.kv = KVCacheManager(KVCacheConfig(num_blocks=1 << 16, block_size=BLOCK))
-        self.served = 0
-
-    def tokens(self, messages: list[dict], tools: list[dict]) -> list[int]:
-        text = self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                            add_generation_prompt=True)
-        return self.tok.encode(text, add_special_tokens=False)
-
-    def reuse(self, ids: list[int]) -> int:
-        return self.kv.find_cached_prefix("lookup", ids, cache_salt=SALT).num_tokens
-
-    def serve(self, ids: list[int], reply: str) -> int:
-        rid = f"r{self.served}"
-        self.served += 1
-        out = self.tok.encode(reply, add_special_tokens=False) + [self.tok.eos_token_id]
-        hit = self.kv.find_cached_prefix(rid, ids, cache_salt=SALT)
-        self.kv.allocate_slots(rid, ids + out, hit.num_tokens, len(ids) - hit.num_tokens,
-                               hit=hit, cache_salt=SALT)
-        self.kv.allocate_slots(rid, ids + out, len(ids), len(out) - 1, cache_salt=SALT)
-        self.kv.free(rid)
-        return hit.num_tokens
 
 
 def engine_reuse(tokenizer, log: list[Sent]) -> int:

@@ -5,10 +5,10 @@ import random
 
 import pytest
 
+from prefix_caching_oracle import BS, expected_cached, shared_prefix_prompts, tokens
 from prefixserve import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-BS = 16
 
 
 @pytest.fixture(scope="module")
@@ -21,30 +21,8 @@ def make_llm(path, **kw) -> LLM:
     return LLM(path, block_size=BS, **kw)
 
 
-def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(10, 4000) for _ in range(n)]
-
-
-def shared_prefix_prompts(prefix_len: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = tokens(rng, prefix_len)
-    return [prefix + tokens(rng, rng.randrange(1, 9)) for _ in range(3)]
-
-
 def run_sequentially(llm: LLM, prompts, params=GREEDY):
     return [llm.generate({"prompt_token_ids": p}, params)[0] for p in prompts]
-
-
-def expected_cached(previous: list[list[int]], prompt: list[int]) -> int:
-    """Brute force: the longest block-aligned prefix shared with any earlier full sequence,
-    never including the prompt's last token."""
-    best = 0
-    for seq in previous:
-        lcp = 0
-        while lcp < min(len(seq), len(prompt)) and seq[lcp] == prompt[lcp]:
-            lcp += 1
-        best = max(best, lcp)
-    return min(best, len(prompt) - 1) // BS * BS
 
 
 @pytest.mark.parametrize("prefix_len", [1, 15, 16, 17, 31, 32, 33, 48, 50])

@@ -1,4 +1,6 @@
 """Eviction policies: LRU (tail first), LFU, priority, lazy deletion."""
+import itertools
+
 import pytest
 
 from prefixserve.kv import (KVCacheConfig, KVCacheManager, LFUPolicy, LRUPolicy, PriorityPolicy,
@@ -137,3 +139,60 @@ def test_a_shared_block_keeps_its_highest_users_priority():
     assert kv.stats().evictions == 1
     assert kv.find_cached_prefix("e", prompt).num_tokens == 4
     assert kv.find_cached_prefix("e", list(range(50, 55))).num_tokens == 0
+
+
+def priority_victims(events: list[tuple[str, str, str, int]]) -> list[str]:
+    """Brute force over ("run" | "free", request, prompt, priority) events, each prompt one cached
+    block: the free-cached blocks in the order the priority policy must evict them. A block's
+    priority is the highest of the requests that held it since it last left the queue (its
+    highest user, whichever came first); ties go to the block freed earliest."""
+    holders: dict[str, set[str]] = {}
+    highest: dict[str, int] = {}
+    freed_at: dict[str, int] = {}
+    for t, (op, rid, prompt, priority) in enumerate(events):
+        users = holders.setdefault(prompt, set())
+        if op == "run":
+            if not users:
+                highest[prompt] = priority
+                freed_at.pop(prompt, None)
+            highest[prompt] = max(highest[prompt], priority)
+            users.add(rid)
+        else:
+            users.remove(rid)
+            if not users:
+                freed_at[prompt] = t
+    return sorted(freed_at, key=lambda prompt: (highest[prompt], freed_at[prompt]))
+
+
+@pytest.mark.parametrize("first,second", [(("low", 0), ("high", 9)), (("high", 9), ("low", 0))])
+@pytest.mark.parametrize("free_order", list(itertools.permutations(range(4))))
+def test_a_shared_block_takes_its_highest_users_priority_in_either_order(first, second, free_order):
+    """A low- and a high-priority request share a block, in both orders, beside two other
+    requests; every order of freeing them. The policy's queue and what eviction really drops
+    follow the brute-force oracle: the later, higher-priority user raises the shared block."""
+    prompts = {"shared": list(range(5)), "mid": list(range(50, 55)), "idle": list(range(80, 85))}
+    requests = [(first[0], "shared", first[1]), (second[0], "shared", second[1]),
+                ("mid", "mid", 5), ("idle", "idle", 0)]
+    kv = make("priority", num_blocks=12)
+    events = []
+    for rid, prompt, priority in requests:
+        run(kv, rid, prompts[prompt], priority=priority)
+        events.append(("run", rid, prompt, priority))
+    block_of = {prompt: kv.block_table(rid)[0] for rid, prompt, _ in requests}
+    assert kv.block_table(first[0])[0] == kv.block_table(second[0])[0]
+    for i in free_order:
+        rid, prompt, priority = requests[i]
+        kv.free(rid)
+        events.append(("free", rid, prompt, priority))
+    expected = priority_victims(events)
+    prompt_of = {block: prompt for prompt, block in block_of.items()}
+    assert [prompt_of[b] for b in kv.eviction_order()] == expected
+
+    # Evict for real, one block at a time: each takes every free-uncached block plus one cached.
+    for n, victim in enumerate(expected):
+        tokens = list(range(1000 * (n + 1), 1000 * (n + 1) + 4 * (kv.stats().num_free_blocks + 1)))
+        assert kv.allocate_slots(f"filler{n}", tokens, 0, len(tokens)) is not None
+        kv.check_integrity()
+        for prompt in expected:
+            hit = kv.find_cached_prefix("probe", prompts[prompt]).num_tokens
+            assert hit == (0 if prompt in expected[:n + 1] else 4), (victim, prompt)

@@ -2,7 +2,7 @@
 
 Skipped where torch sees no CUDA device (CI). Every oracle is independent of our code:
 - logits: HF transformers in float64 on the float32 checkpoint is the reference; the bfloat16
-  tolerance is test_bf16_correctness's (twice what rounding a float64 model's weights and every
+  tolerance is tests/bf16_reference.py's (twice what rounding a float64 model's weights and every
   linear's, norm's and layer's inputs and outputs to bfloat16 moves its logits; RMS 1.5 times),
   and float32 must stay within a hundredth of it. HF transformers on the device in the same dtype
   is held to the same bounds, which shows they are attainable there.
@@ -23,9 +23,9 @@ import torch
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.model.kv_layout import ROWS, kv_cache_shape
-from test_bf16_correctness import (BLOCK_SIZE, MIN_DECISIVE, _bounds, _errors, hf_logits, hf_model, our_logits,
-                                   references, sequences)
-from test_engine_prefix_caching import expected_cached, shared_prefix_prompts
+from bf16_reference import (BLOCK_SIZE, MIN_DECISIVE, bounds, hf_logits, hf_model, max_errors, our_logits, references,
+                            sequences)
+from prefix_caching_oracle import expected_cached, shared_prefix_prompts
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
@@ -133,10 +133,10 @@ def test_random_model_and_default_pool_on_the_device():
 @pytest.mark.parametrize("implementation", ["prefixserve", "transformers"])
 def test_logits_within_tolerance_of_float64(case, implementation, dtype) -> None:
     arch, path, tokens, reference, simulated = case
-    tolerance, rms_bound = _bounds(reference, simulated)
+    tolerance, rms_bound = bounds(reference, simulated)
     logits = (our_logits(path, dtype, tokens, DEVICE) if implementation == "prefixserve"
               else hf_logits(hf_model(path, DTYPES[dtype], device=DEVICE), tokens))
-    errors = _errors(logits, reference)
+    errors = max_errors(logits, reference)
     print(f"\n{arch} {implementation} {dtype} on {DEVICE}: max {errors.max():.2e} (bfloat16 tolerance "
           f"{tolerance:.3f}), rms {errors.pow(2).mean().sqrt():.2e} (bound {rms_bound:.3f})")
     if dtype == "float32":
@@ -152,7 +152,7 @@ def test_served_first_tokens_match_transformers_where_decisive(case, dtype) -> N
     ending at a position where the reference's margin is decisive: each first greedy token is HF's
     on the device in the same dtype (and the reference's)."""
     arch, path, tokens, reference, simulated = case
-    tolerance, _ = _bounds(reference, simulated)
+    tolerance, _ = bounds(reference, simulated)
     top2 = reference.topk(2, dim=-1)
     decisive = ((top2.values[..., 0] - top2.values[..., 1]) > margin_bound(dtype, tolerance)).nonzero().tolist()
     assert len(decisive) >= MIN_DECISIVE, f"{arch}: too few decisive positions ({len(decisive)})"
@@ -174,7 +174,7 @@ def test_served_float32_greedy_generation_matches_transformers(case) -> None:
     only at a step whose HF margin is within what float32 rounding may flip; each token's
     log-probability within twice the float32 logit bound of HF's."""
     arch, path, _, reference, simulated = case
-    tolerance, _ = _bounds(reference, simulated)
+    tolerance, _ = bounds(reference, simulated)
     bound = tolerance / FLOAT32_SHARE
     max_new = 12
     prompts = random_prompts(4, [5, 17, 40, 33], seed=1)

@@ -2,7 +2,6 @@
 prefix-aware router (and a round-robin application beside it), served over HTTP by the same
 app as the single-process server. One Ray cluster for the whole module, shut down after."""
 import asyncio
-import time
 
 import httpx
 import pytest
@@ -14,25 +13,16 @@ from prefixserve.entrypoints.server.config import ServerConfig
 from prefixserve.replicas.metrics import install_routing_metrics
 from prefixserve.replicas.policy import RoutingConfig
 from prefixserve.replicas.service import ReplicaConfig, ReplicaService
-from tests.entrypoints.server.test_server_api import LiveServer
+from live_server import LiveServer
+from replica_service import ENGINE, cached, router_views, routers_caught_up, routing
+from waiting import wait_until
 
 pytestmark = pytest.mark.slow
-ENGINE = dict(model="random:qwen3-tiny", block_size=16, num_kv_blocks=256, dtype="float32",
-              max_num_batched_tokens=512)
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron".split()
 
 
 def system_prompt(tenant: int) -> str:
     return " ".join(WORDS[(tenant * 7 + i * 3) % len(WORDS)] + str(i % 10) for i in range(120))
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="prefixserve-test")
-    yield
-    from ray import serve
-    serve.shutdown()
-    ray.shutdown()
 
 
 def start(app_name: str, router: str):
@@ -72,28 +62,6 @@ def complete(live, prompt: str, salt=None, max_tokens=2) -> dict:
     return r.json()
 
 
-def cached(resp: dict) -> int:
-    return (resp["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-
-
-def routing(front) -> dict:
-    views = asyncio.run(front.routing())
-    assert len(views) >= 1
-    merged = {"reasons": {}, "held": {}, "routed": {}}
-    for view in views.values():
-        for key in merged:
-            for k, v in view[key].items():
-                merged[key][k] = merged[key].get(k, 0) + v
-    return merged
-
-
-def wait_for(cond, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
-
-
 def replica_stats(live) -> dict:
     return live.async_llm.replica_stats()
 
@@ -101,18 +69,18 @@ def replica_stats(live) -> dict:
 def test_requests_sharing_a_prefix_go_to_the_replica_that_holds_it(prefix_aware):
     _, front, live = prefix_aware
     assert httpx.post(live.base_url + "/reset_prefix_cache", timeout=60).status_code == 200
-    wait_for(lambda: sum(routing(front)["held"].values()) == 0)
+    wait_until(lambda: sum(routing(front)["held"].values()) == 0)
     first = complete(live, system_prompt(1) + " first question", salt="holder")
-    wait_for(lambda: sum(routing(front)["held"].values()) > 0)
+    wait_until(lambda: sum(routing(front)["held"].values()) > 0)
     holder = max(routing(front)["held"].items(), key=lambda kv: kv[1])[0]
-    wait_for(lambda: sum(routing(front)["routed"].values()) == 1)
+    wait_until(lambda: sum(routing(front)["routed"].values()) == 1)
     routed_before = routing(front)["routed"].get(holder, 0)
     answers = [complete(live, system_prompt(1) + f" question {i}", salt="holder") for i in range(4)]
     prefix_tokens = first["usage"]["prompt_tokens"] // 16 * 16 - 16
     for a in answers:
         assert cached(a) >= prefix_tokens   # each one hit the whole shared prefix
     # The routers report their counts every poll: wait for the report, not for the routing.
-    wait_for(lambda: sum(routing(front)["routed"].values()) == 5)
+    wait_until(lambda: sum(routing(front)["routed"].values()) == 5)
     assert routing(front)["routed"].get(holder, 0) - routed_before == 4
 
 
@@ -125,7 +93,7 @@ def test_prefix_aware_beats_round_robin_on_hit_rate(prefix_aware, round_robin):
             r = complete(live, system_prompt(tenant) + f" q{i}", salt=f"{name}-t{tenant}")
             hits += cached(r)
             total += r["usage"]["prompt_tokens"]
-            time.sleep(0.15)   # the router's view follows the replicas' events
+            wait_until(lambda: routers_caught_up(front), what="the routers' view of the replicas' events")
         rates[name] = hits / total
     # Round-robin over 2 replicas computes each tenant's prompt on both; prefix-aware on one.
     assert rates["pa"] > rates["rr"] * 1.2, rates
@@ -135,7 +103,7 @@ def test_salts_never_share_across_replicas_or_within_one(prefix_aware):
     _, front, live = prefix_aware
     prompt = system_prompt(2) + " same words"
     complete(live, prompt, salt="tenant-a")
-    time.sleep(0.3)
+    wait_until(lambda: routers_caught_up(front), what="the routers' view of the replicas' events")
     assert cached(complete(live, prompt, salt="tenant-b")) == 0
     assert cached(complete(live, prompt)) == 0
     assert cached(complete(live, prompt, salt="tenant-a")) > 0
@@ -144,10 +112,10 @@ def test_salts_never_share_across_replicas_or_within_one(prefix_aware):
 def test_reset_clears_the_routers_view(prefix_aware):
     _, front, live = prefix_aware
     complete(live, system_prompt(3) + " before reset", salt="reset")
-    wait_for(lambda: sum(routing(front)["held"].values()) > 0)
+    wait_until(lambda: sum(routing(front)["held"].values()) > 0)
     r = httpx.post(live.base_url + "/reset_prefix_cache", timeout=60)
     assert r.status_code == 200 and r.json()["dropped_blocks"] > 0
-    wait_for(lambda: sum(routing(front)["held"].values()) == 0)
+    wait_until(lambda: sum(routing(front)["held"].values()) == 0)
     assert cached(complete(live, system_prompt(3) + " after reset", salt="reset")) == 0
 
 
@@ -156,10 +124,19 @@ def test_metrics_show_routing_next_to_the_engines(prefix_aware):
     replicas' own stats (refreshed every half second)."""
     from prometheus_client.parser import text_string_to_metric_families
     _, front, live = prefix_aware
+
+    def settled() -> bool:
+        """The routers have applied every event and the front's copy (what /metrics shows) is
+        their current report."""
+        return routers_caught_up(front) and front.last_routing() == router_views(front)
+
+    wait_until(settled, what="the routers' and the front's view of the replicas")
+    routed = sum(routing(front)["routed"].values())
     complete(live, system_prompt(5) + " one", salt="metrics")
-    time.sleep(0.3)
+    wait_until(lambda: routers_caught_up(front), what="the routers' view of the replicas' events")
     complete(live, system_prompt(5) + " two", salt="metrics")
-    time.sleep(1.2)
+    wait_until(lambda: settled() and sum(routing(front)["routed"].values()) == routed + 2,
+               what="the routers' report of both requests, in the front's copy")
     samples = {}
     for family in text_string_to_metric_families(httpx.get(live.base_url + "/metrics").text):
         for s in family.samples:
@@ -183,7 +160,7 @@ def test_chat_and_anthropic_messages_are_served_and_routed_to_the_holder(prefix_
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": "a"}]}
     r = httpx.post(live.base_url + "/v1/chat/completions", json=chat, timeout=120)
     assert r.status_code == 200, r.text
-    time.sleep(0.3)
+    wait_until(lambda: routers_caught_up(front), what="the routers' view of the replicas' events")
     chat["messages"][1]["content"] = "b"
     r = httpx.post(live.base_url + "/v1/chat/completions", json=chat, timeout=120)
     assert r.status_code == 200 and cached(r.json()) > 0, r.text
@@ -191,7 +168,7 @@ def test_chat_and_anthropic_messages_are_served_and_routed_to_the_holder(prefix_
            "messages": [{"role": "user", "content": "c"}]}
     first = httpx.post(live.base_url + "/v1/messages", json=msg, timeout=120)
     assert first.status_code == 200, first.text
-    time.sleep(0.3)
+    wait_until(lambda: routers_caught_up(front), what="the routers' view of the replicas' events")
     msg["messages"][0]["content"] = "d"
     second = httpx.post(live.base_url + "/v1/messages", json=msg, timeout=120).json()
     assert second["type"] == "message" and second["usage"]["cache_read_input_tokens"] > 0
@@ -228,5 +205,5 @@ def test_a_replica_killed_mid_run(prefix_aware):
     victim = asyncio.run(run_and_kill())
     for i in range(3):
         assert complete(live, system_prompt(4) + f" after {i}", salt="kill")["choices"]
-    wait_for(lambda: victim not in routing(front)["held"], timeout=60)
-    wait_for(lambda: len(replica_stats(live)) == 2 and victim not in replica_stats(live), timeout=120)
+    wait_until(lambda: victim not in routing(front)["held"], timeout=60)
+    wait_until(lambda: len(replica_stats(live)) == 2 and victim not in replica_stats(live), timeout=120)

@@ -7,8 +7,9 @@ import pytest
 from prefixserve.replicas.policy import (BALANCE, MISS, PREFIX_HIT, STORE_BALANCE, STORE_HIT,
                                          RoutingConfig, RoutingPolicy)
 from prefixserve.replicas.simulator import simulate, tenant_requests
-from tests.replicas.test_replicas_routing import BS, oracle_hits
+from routing_oracle import oracle_hits
 
+BS = 4
 LOAD_COST, COMPUTE_COST = 1, 10   # any weights with COMPUTE_COST > LOAD_COST > 0 rank alike
 
 

@@ -12,8 +12,9 @@ from prefixserve.kv.stores import open_store
 from prefixserve.replicas.policy import RoutingConfig
 from prefixserve.replicas.service import ReplicaConfig, ReplicaService
 from prefixserve.sampling_params import SamplingParams
-from tests.replicas.test_replicas_service import ENGINE, cached, cluster, wait_for  # noqa: F401 (fixture)
-from tests.entrypoints.server.test_server_api import LiveServer
+from live_server import LiveServer
+from replica_service import ENGINE, cached, routing
+from waiting import wait_until
 
 pytestmark = pytest.mark.slow
 PROMPT = [(i * 37) % 900 + 20 for i in range(200)]   # 12 full blocks of 16, one partial
@@ -43,15 +44,15 @@ def store_service(redis_url: str, router: str, app_name: str):
         service.stop()
 
 
-def test_a_replica_serves_the_other_replicas_prefix_from_the_store(cluster, redis_server):  # noqa: F811
+def test_a_replica_serves_the_other_replicas_prefix_from_the_store(cluster, redis_server):
     # Round-robin sends the second request to the replica that did not compute the prefix.
     with store_service(redis_server.url, "round-robin", "store") as (front, live, store):
         first = ask(live)
         # Write-through lands in the background: wait until Redis holds every full block
         # the engine would look up (the block holding the last prompt token is never looked up).
-        wait_for(lambda: store.usage()[0] >= (len(PROMPT) - 1) // 16, timeout=60)
+        wait_until(lambda: store.usage()[0] >= (len(PROMPT) - 1) // 16, timeout=60)
         second = ask(live)
-        wait_for(lambda: sum(s["prompt_tokens"] for s in front.replica_stats().values())
+        wait_until(lambda: sum(s["prompt_tokens"] for s in front.replica_stats().values())
                  == 2 * len(PROMPT), timeout=30)
         stats = front.replica_stats()
     assert cached(first) == 0
@@ -66,20 +67,19 @@ def test_a_replica_serves_the_other_replicas_prefix_from_the_store(cluster, redi
         == reference[0].outputs[0].text
 
 
-def test_the_router_sees_the_shared_store(cluster, redis_server):  # noqa: F811
+def test_the_router_sees_the_shared_store(cluster, redis_server):
     """Pools emptied by a reset, Redis still holding the prefix: the prefix-aware router routes
     the request as a store hit (it asked Redis), and the replica loads every block from there."""
-    from tests.replicas.test_replicas_service import routing
     full_blocks = (len(PROMPT) - 1) // 16
     with store_service(redis_server.url, "prefix-aware", "store-pa") as (front, live, store):
         first = ask(live)
-        wait_for(lambda: store.usage()[0] >= full_blocks, timeout=60)
+        wait_until(lambda: store.usage()[0] >= full_blocks, timeout=60)
         assert httpx.post(live.base_url + "/reset_prefix_cache", timeout=60).status_code == 200
-        wait_for(lambda: sum(routing(front)["held"].values()) == 0)
+        wait_until(lambda: sum(routing(front)["held"].values()) == 0)
         before = routing(front)["reasons"].get("store_hit", 0)
         second = ask(live)
         # the router reports its counts as it polls the hub: wait for the report that has both requests
-        wait_for(lambda: sum(routing(front)["routed"].values()) == 2)
+        wait_until(lambda: sum(routing(front)["routed"].values()) == 2)
         after = routing(front)["reasons"].get("store_hit", 0)
     assert cached(first) == 0 and cached(second) == full_blocks * 16
     assert after == before + 1

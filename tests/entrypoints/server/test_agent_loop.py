@@ -15,26 +15,13 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
-from prefixserve import EngineConfig, LLMEngine
-from prefixserve.entrypoints.server.app import build_app
-from prefixserve.entrypoints.server.config import ServerConfig
-
-from test_server_api import ENGINE, MODEL, LiveServer, assert_pool_idle
-from test_tool_calls_server import ANTHROPIC_TOOLS, TOOLS
+from live_server import ENGINE, MODEL, assert_pool_idle
+from tool_fixtures import ANTHROPIC_TOOLS, TOOLS
 
 BS = ENGINE["block_size"]
 TURNS = 12
 SYSTEM = ("You are a travel agent. Use the tools to look up weather and local time before you "
           "answer, one call per turn, and keep every result in mind. ") * 4
-
-
-@pytest.fixture(scope="module")
-def server():
-    app = build_app(LLMEngine(EngineConfig(**ENGINE)), ServerConfig(max_waiting=64))
-    with LiveServer(app) as live:
-        yield live
 
 
 def covered(prompt_tokens: int, completion_tokens: int) -> int:

@@ -15,7 +15,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from test_server_api import LiveServer
+from live_server import LiveServer
 
 from prefixserve import LLM, EngineConfig, LLMEngine, SamplingParams
 from prefixserve.entrypoints.cli import build_parser

@@ -15,11 +15,7 @@ import jiter
 import jsonschema_rs
 import pytest
 
-from prefixserve import EngineConfig, LLMEngine
-from prefixserve.entrypoints.server.app import build_app
-from prefixserve.entrypoints.server.config import ServerConfig
-
-from test_server_api import ENGINE, MODEL, LiveServer, assert_pool_idle
+from live_server import MODEL, assert_pool_idle
 
 SCHEMA = {"type": "object", "properties": {
     "answer": {"type": "string", "maxLength": 16},
@@ -28,13 +24,6 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["answer", "score", "tags"], "additionalProperties": False}
 JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA, "strict": True}}
 PROMPT = "Answer in JSON: what is the capital of France?"
-
-
-@pytest.fixture(scope="module")
-def server():
-    app = build_app(LLMEngine(EngineConfig(**ENGINE)), ServerConfig(max_waiting=64))
-    with LiveServer(app) as live:
-        yield live
 
 
 def test_json_schema_constrains_every_choice_of_every_prompt(client, server):

@@ -9,65 +9,26 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import socket
 import threading
 import time
-from typing import Callable
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
+from live_server import ENGINE, MODEL, LiveServer, assert_pool_idle, metrics
 
 from prefixserve import LLM, EngineConfig, LLMEngine, SamplingParams
 from prefixserve.entrypoints.server.app import build_app
 from prefixserve.entrypoints.server.config import ServerConfig
 
-MODEL = "random:qwen3-tiny"
-ENGINE = dict(model=MODEL, seed=0, block_size=16, num_kv_blocks=512, max_model_len=2048,
-              max_num_seqs=64)
 LONG_PREFIX = ("You are a careful assistant for the prefixserve project. Answer briefly, cite the "
                "manual, and never invent commands. The manual covers installation, configuration, "
                "the block manager, prefix caching, eviction policies and the HTTP server. ") * 3
 
 
-class LiveServer:
-    """uvicorn serving `app` from a background thread on a port the OS picked."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.base_url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive(), "uvicorn exited during startup"
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-    @property
-    def async_llm(self):
-        return self.app.state.server.async_llm
-
-    def in_engine(self, fn: Callable):
-        """Runs fn(engine) on the engine thread (the only thread allowed to touch it)."""
-        return self.async_llm.submit(fn).result(timeout=60)
-
-
 @pytest.fixture(scope="module")
 def server():
+    """max_waiting=1024, not the shared server's 64: a test here sends 200 requests at once."""
     app = build_app(LLMEngine(EngineConfig(**ENGINE)), ServerConfig(max_waiting=1024))
     with LiveServer(app) as live:
         yield live
@@ -77,37 +38,6 @@ def server():
 def oracle() -> LLM:
     """Same weights, prefix caching off: what every greedy answer must be."""
     return LLM(**{**ENGINE, "enable_prefix_caching": False})
-
-
-@pytest.fixture()
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
-
-
-@pytest.fixture()
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
-
-
-def metrics(http: httpx.Client) -> dict[str, float]:
-    """Every sample of /metrics by name (labels dropped: one model per server)."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(http.get("/metrics").text):
-        for sample in family.samples:
-            out[sample.name] = out.get(sample.name, 0.0) + sample.value
-    return out
-
-
-def assert_pool_idle(server: LiveServer) -> None:
-    def check(engine):
-        engine.kv.check_integrity()
-        return engine.stats()
-    stats = server.in_engine(check)
-    assert stats.blocks_in_use == 0
-    assert stats.num_running == 0 and stats.num_waiting == 0
-    assert stats.blocks_free + stats.blocks_cached == stats.blocks_total
 
 
 def greedy(oracle: LLM, prompt, max_tokens: int) -> str:

@@ -14,29 +14,18 @@ import uuid
 import httpx
 import openai
 import pytest
-from test_server_api import LiveServer
 
-from prefixserve import EngineConfig, LLMEngine
-from prefixserve.entrypoints.server.app import build_app
-from prefixserve.entrypoints.server.config import ServerConfig
+from live_server import ENGINE, MODEL
+
 from prefixserve.tokenizer import load_tokenizer
 
-MODEL = "random:qwen3-tiny"
-BS = 16
-ENGINE = dict(model=MODEL, seed=0, block_size=BS, num_kv_blocks=512, max_model_len=2048)
+BS = ENGINE["block_size"]
 POLICY = ("Answer briefly, cite the manual and never invent commands. The manual covers "
           "installation, configuration, the block manager, prefix caching, eviction and the "
           "HTTP server. ") * 3
 DIAGNOSE = {"prefixserve": {"diagnose": True}}
 FIELDS = {"cached_tokens", "prompt_tokens", "compared_to", "shared_tokens", "divergence_position",
           "part", "current_text", "earlier_text", "note"}
-
-
-@pytest.fixture(scope="module")
-def server():
-    app = build_app(LLMEngine(EngineConfig(**ENGINE)), ServerConfig(max_waiting=64))
-    with LiveServer(app) as live:
-        yield live
 
 
 @pytest.fixture(scope="module")

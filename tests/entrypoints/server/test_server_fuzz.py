@@ -11,7 +11,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from test_server_api import LiveServer, assert_pool_idle
+from live_server import LiveServer, assert_pool_idle
 
 from prefixserve import EngineConfig, LLMEngine
 from prefixserve.entrypoints.server.app import build_app

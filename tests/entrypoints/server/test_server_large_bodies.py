@@ -9,8 +9,8 @@ import json
 
 import httpx
 import pytest
-from test_server_api import LiveServer, assert_pool_idle
-from test_server_validation import BAD_INPUTS, ENGINE, MODEL, raw_json
+from bad_inputs import BAD_INPUTS, CHAT, raw_json
+from live_server import ENGINE, MODEL, LiveServer, assert_pool_idle
 
 from prefixserve import EngineConfig, LLMEngine
 from prefixserve.entrypoints.server.app import build_app
@@ -19,7 +19,6 @@ from prefixserve.entrypoints.server.prompting.bodies import ParsedConversation, 
 from prefixserve.entrypoints.server.prompting.render_pool import RenderPool
 from prefixserve.entrypoints.server.validation import BodyLimits
 
-CHAT = "/v1/chat/completions"
 SETTINGS = dict(max_messages=64, max_body_bytes=2**20, render_timeout_s=5.0)
 SYSTEM = "You are the assistant of a large library. " * 8
 

@@ -14,7 +14,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from test_server_api import LiveServer, assert_pool_idle
+from live_server import LiveServer, assert_pool_idle
 
 from prefixserve import EngineConfig, LLMEngine
 from prefixserve.entrypoints.server.app import build_app

@@ -8,20 +8,19 @@ import time
 
 import httpx
 import pytest
-from test_server_api import LiveServer, assert_pool_idle
+from bad_inputs import BAD_INPUTS, CHAT, raw_json
+from live_server import ENGINE, MODEL, LiveServer, assert_pool_idle, metrics
 
 from prefixserve import EngineConfig, LLMEngine
 from prefixserve.entrypoints.server.app import build_app
 from prefixserve.entrypoints.server.config import ServerConfig
 
-MODEL = "random:qwen3-tiny"
-ENGINE = dict(model=MODEL, seed=0, block_size=16, num_kv_blocks=512, max_model_len=2048, max_num_seqs=32)
-CHAT = "/v1/chat/completions"
 SURROGATE = "\ud800"
 
 
 @pytest.fixture(scope="module")
 def server():
+    """Body limits BAD_INPUTS is written against (tests/bad_inputs.py), and a short render timeout."""
     app = build_app(LLMEngine(EngineConfig(**ENGINE)),
                     ServerConfig(max_messages=64, max_body_bytes=2**20, render_timeout_s=2.0))
     with LiveServer(app) as live:
@@ -30,49 +29,6 @@ def server():
 
 def chat_body(**extra) -> dict:
     return {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}], **extra}
-
-
-def raw_json(client: httpx.Client, path: str, text: str) -> httpx.Response:
-    """JSON as the text given (NaN, Infinity and lone surrogate escapes are not what json.dumps sends)."""
-    return client.post(path, content=text.encode(), headers={"content-type": "application/json"})
-
-
-BAD_INPUTS = [
-    # (path, JSON text, the field the 400 must name)
-    (CHAT, '{"model": "%s", "max_tokens": 2, "top_k": %d, "messages": [{"role": "user", "content": "hi"}]}'
-     % (MODEL, 2**63), "top_k"),
-    (CHAT, '{"model": "%s", "max_tokens": 2, "top_k": %d, "messages": [{"role": "user", "content": "hi"}]}'
-     % (MODEL, 10**29), "top_k"),
-    (CHAT, '{"model": "%s", "max_tokens": 2, "cache_salt": "a\\ud800b", '
-           '"messages": [{"role": "user", "content": "hi"}]}'
-     % MODEL, "cache_salt"),
-    (CHAT, '{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", "content": "x\\udc00"}]}' % MODEL,
-     "messages[0].content"),
-    ("/v1/completions", '{"model": "%s", "max_tokens": 2, "prompt": "lone \\ud83d here"}' % MODEL, "prompt"),
-    (CHAT, '{"model": "%s", "max_tokens": 2, "temperature": NaN, "messages": [{"role": "user", "content": "hi"}]}'
-     % MODEL, "temperature"),
-    (CHAT, '{"model": "%s", "max_tokens": 2, "top_p": Infinity, "messages": [{"role": "user", "content": "hi"}]}'
-     % MODEL, "top_p"),
-    (CHAT, '{"model": "%s", "max_tokens": 2, "messages": [{"role": "wizard", "content": "hi"}]}' % MODEL,
-     "messages[0].role"),
-    ("/v1/cached_contents", '{"system": "%s", "ttl": Infinity}' % ("x " * 60), "ttl"),
-    ("/v1/cached_contents", '{"system": "%s", "ttl": %d}' % ("x " * 60, 10**400), "ttl"),
-    ("/v1/cached_contents", '{"system": "%s", "ttl": "%sh"}' % ("x " * 60, "9" * 400), "ttl"),
-    ("/v1/messages", '{"model": "%s", "max_tokens": 2, "top_k": %d, "messages": [{"role": "user", "content": "hi"}]}'
-     % (MODEL, 2**40), "top_k"),
-    (CHAT, '{"model": "%s", "max_tokens": 2, "chat_template": "{{ 1 }}", '
-           '"messages": [{"role": "user", "content": "hi"}]}'
-     % MODEL, "chat_template"),
-    (CHAT, '{"model": "%s", "max_tokens": 2, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}, '
-           '"messages": [{"role": "user", "content": "hi"}]}' % MODEL, "chat_template_kwargs.chat_template"),
-    (CHAT, '{"model": "%s", "max_tokens": 2, "messages": [%s]}'
-     % (MODEL, ", ".join(['{"role": "user", "content": "m"}'] * 65)), "messages"),
-    (CHAT, '{"model": "%s", "max_tokens": 2, "tools": [%s1%s], "messages": [{"role": "user", "content": "hi"}]}'
-     % (MODEL, "[" * 40, "]" * 40), None),
-    (CHAT, '{"model": "%s", "max_tokens": 2, "stop": [%s], "messages": [{"role": "user", "content": "hi"}]}'
-     % (MODEL, ", ".join(['"s%d"' % i for i in range(33)])), "stop"),
-    ("/v1/cached_contents", '{"system": "%s", "name": "%s"}' % ("x " * 60, "n" * 300), "name"),
-]
 
 
 def check_bad_inputs(client: httpx.Client) -> None:
@@ -125,7 +81,6 @@ def test_request_id_is_echoed_and_streams_are_declared_as_event_streams(server):
 
 
 def test_aborted_requests_are_counted_in_the_request_metrics(server):
-    from test_server_api import metrics
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         before = metrics(client).get("prefixserve:request_success_total", 0.0)
         with client.stream("POST", CHAT, json=chat_body(max_tokens=1500, ignore_eos=True, stream=True)) as r:

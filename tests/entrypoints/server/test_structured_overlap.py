@@ -30,7 +30,7 @@ from prefixserve.structured.grammar import GrammarCompiler
 from prefixserve.tokenizer import load_tokenizer
 from prefixserve.worker.sampler import Sampler, SamplingRow
 
-from test_server_api import LiveServer, assert_pool_idle
+from live_server import LiveServer, assert_pool_idle
 
 MODEL = "random:qwen3-tiny"
 ENGINE = dict(model=MODEL, seed=0, block_size=16, num_kv_blocks=256, max_model_len=1024)

@@ -19,8 +19,8 @@ from prefixserve.entrypoints.server.app import build_app
 from prefixserve.entrypoints.server.config import ServerConfig
 
 from checkpoint_factory import write_tiny_checkpoint
-from test_server_api import LiveServer, assert_pool_idle
-from test_tool_calls_server import ANTHROPIC_TOOLS, MESSAGES, SCHEMAS, TOOLS, assert_valid_call
+from live_server import LiveServer, assert_pool_idle
+from tool_fixtures import ANTHROPIC_TOOLS, MESSAGES, SCHEMAS, TOOLS, assert_valid_call
 
 # A template of our own in the Llama 3.1 manner: tool results come back in `ipython` turns and
 # calls are JSON objects with "name" and "parameters", `;` between several.

@@ -14,15 +14,12 @@ import json
 import jsonschema_rs
 import pytest
 
-from prefixserve import EngineConfig, LLMEngine
-from prefixserve.entrypoints.server.app import build_app
 from prefixserve.entrypoints.server.anthropic.protocol import MessagesRequest
 from prefixserve.entrypoints.server.anthropic.tools import message_tools
-from prefixserve.entrypoints.server.config import ServerConfig
 from prefixserve.entrypoints.server.tools import ChatTools
 
-from test_server_api import ENGINE, MODEL, LiveServer, assert_pool_idle
-from test_tool_calls_server import ANTHROPIC_TOOLS, MESSAGES, SCHEMAS, TOOLS, assert_valid_call
+from live_server import MODEL, assert_pool_idle
+from tool_fixtures import ANTHROPIC_TOOLS, MESSAGES, SCHEMAS, TOOLS, assert_valid_call
 
 ANSWER = {"type": "object", "properties": {
     "answer": {"type": "string", "maxLength": 12},
@@ -31,13 +28,6 @@ ANSWER = {"type": "object", "properties": {
 FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
 QUESTIONS = ["Weather in Paris?", "Time in Oslo and weather in Lima?", "Plan my trip.", "Lima?",
              "Oslo, three days", "What time is it?"]
-
-
-@pytest.fixture(scope="module")
-def server():
-    app = build_app(LLMEngine(EngineConfig(**ENGINE)), ServerConfig(max_waiting=64))
-    with LiveServer(app) as live:
-        yield live
 
 
 def assemble(chunks) -> tuple[dict[int, dict[int, dict]], dict[int, str], dict[int, str]]:

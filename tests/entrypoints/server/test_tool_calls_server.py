@@ -14,41 +14,8 @@ import json
 import httpx
 import jsonschema_rs
 import pytest
-
-from prefixserve import EngineConfig, LLMEngine
-from prefixserve.entrypoints.server.app import build_app
-from prefixserve.entrypoints.server.config import ServerConfig
-
-from test_server_api import ENGINE, MODEL, LiveServer, assert_pool_idle
-
-WEATHER = {"type": "object", "properties": {
-    "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-    "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    "unit": {"type": "string", "enum": ["C", "F"]}},
-    "required": ["city", "days"], "additionalProperties": False}
-CLOCK = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}},
-         "required": ["zone"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "description": "Local time",
-                                           "parameters": CLOCK}}]
-SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
-MESSAGES = [{"role": "system", "content": "You are a travel agent with tools."},
-            {"role": "user", "content": "What is the weather in Paris for three days?"}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    app = build_app(LLMEngine(EngineConfig(**ENGINE)), ServerConfig(max_waiting=64))
-    with LiveServer(app) as live:
-        yield live
-
-
-def assert_valid_call(name: str, arguments: str) -> dict:
-    args = json.loads(arguments)
-    jsonschema_rs.validate(SCHEMAS[name], args)
-    return args
-
+from live_server import MODEL, assert_pool_idle
+from tool_fixtures import ANTHROPIC_TOOLS, MESSAGES, SCHEMAS, TOOLS, WEATHER, assert_valid_call
 
 # ---------------------------------------------------------------- OpenAI
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -163,10 +130,6 @@ def test_bad_tool_fields_are_a_400_naming_the_field(server, body, param):
 
 
 # ---------------------------------------------------------------- Anthropic
-ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
-                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
-
-
 def test_anthropic_any_returns_tool_use_blocks(claude, server):
     for seed_text in ("Paris please", "Oslo please"):
         m = claude.messages.create(model=MODEL, max_tokens=200, tools=ANTHROPIC_TOOLS,

@@ -16,7 +16,7 @@ from prefixserve.entrypoints.server.app import build_app
 from prefixserve.entrypoints.server.config import ServerConfig
 from prefixserve.platforms.cpu import dtype_choice
 from prefixserve.platforms.cpu.dtype_choice import CpuBf16Support, choose_dtype
-from test_server_api import LiveServer
+from live_server import LiveServer
 
 CPU = torch.device("cpu")
 

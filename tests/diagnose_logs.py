@@ -1,4 +1,4 @@
-"""Request logs written for the diagnose tests: one per rule, plus a clean one (no tests here)."""
+"""Request logs written for the diagnose tests: one per rule, plus a clean one, and the helpers that build them."""
 from __future__ import annotations
 
 import json
