@@ -22,8 +22,9 @@ import pytest
 from prefixserve.diagnose import lint, load_renderer, read_log
 from prefixserve.diagnose.rules import canonical_tools
 from prefixserve.prompt import common_prefix_len
-from test_diagnose_logs import write_log
-from test_diagnose_textbook import BLOCK, OPENERS, SALT, TOOLS, Engine, sentence
+from cache_reuse_oracle import BLOCK, SALT, Engine
+from diagnose_logs import write_log
+from textbook_parts import OPENERS, TOOLS, sentence
 
 REQUESTS = 120
 RULE = {"timestamp": "dynamic-system", "rewrite": "history-rewrite", "shuffle": "tool-order",

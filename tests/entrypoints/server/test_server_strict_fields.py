@@ -25,7 +25,7 @@ from prefixserve.benchmarks.serving_process import free_port
 from prefixserve.entrypoints.server.app import build_app
 from prefixserve.entrypoints.server.auth import KeyTable
 from prefixserve.entrypoints.server.config import ServerConfig
-from test_server_api import LiveServer
+from live_server import LiveServer
 
 REPO = Path(__file__).resolve().parents[3]
 MODEL = "random:qwen3-tiny"
