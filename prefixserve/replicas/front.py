@@ -5,8 +5,8 @@ Requests go through the replicas' Ray Serve handle, so Ray Serve's request route
 router.py) picks the replica. A request whose replica dies before it streamed anything is
 retried once (the router routes it afresh, and Ray Serve no longer offers the dead replica);
 one that already streamed ends with EngineError. Whole-service calls (reset) go to every
-replica the hub knows. Pins by id, named cached contents and the KV event feed live in one
-engine and are refused here.
+replica the hub knows. Pins by id, cached contents and the KV event feed live in one engine
+and are refused here; a cached content's create is refused before any replica pins it.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from prefixserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-_NO_CONTENTS = "named cached contents are not available with --replicas (each lives in one engine)"
+_NO_CONTENTS = "cached contents are not available with --replicas (each lives in one engine)"
 _NO_PINS = ("pins by id are not available with --replicas (each lives in one engine); "
             "ask for them with a request's cache_pins")
 _NO_FEED = "the KV event feed is per replica; the replicas publish theirs to the hub"
@@ -153,6 +153,10 @@ class ReplicatedLLM:
     async def add_request(self, request_id: str, prompt, params: SamplingParams, *,
                           cache_salt: Optional[str] = None, priority: int = 0,
                           cache_pins: Sequence[CachePin] = ()) -> ReplicaStream:
+        if any(pin.content is not None for pin in cache_pins):
+            # Its get, use and delete would be refused here: it must not be created (and pinned)
+            # on whichever replica the router picks.
+            raise InvalidRequestError(_NO_CONTENTS, code="not_supported")
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             token_ids = list(prompt["prompt_token_ids"])
         else:

@@ -180,6 +180,33 @@ def test_cached_contents_are_refused_clearly(prefix_aware):
     assert r.status_code == 400 and "replicas" in r.text
 
 
+def test_a_cached_content_is_refused_at_creation_and_pins_nothing(prefix_aware):
+    """A content lives in one engine, and its later get, use and delete are refused under
+    --replicas: so its create is refused too, named or not, and no replica is left holding
+    its pin (the replicas' own stats say so, published after the refusals)."""
+    _, _, live = prefix_aware
+    content = {"model": "random:qwen3-tiny", "system": system_prompt(7), "ttl": "1h",
+               "messages": [{"role": "user", "content": "remember this"}]}
+    for extra in ({}, {"name": "shared-system"}):
+        r = httpx.post(live.base_url + "/v1/cached_contents", json={**content, **extra}, timeout=120)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "not_supported" and "--replicas" in error["message"], error
+        assert error["param"] is None, error   # no field of the request is wrong
+    before = sum(s["prompt_tokens"] for s in replica_stats(live).values())
+    chat = {"model": "random:qwen3-tiny", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "system", "content": system_prompt(7)},
+                         {"role": "user", "content": "remember this"}]}
+    r = httpx.post(live.base_url + "/v1/chat/completions", json=chat, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None, r.text
+    # Stats counting the chat request were published after both refusals.
+    wait_until(lambda: sum(s["prompt_tokens"] for s in replica_stats(live).values()) > before,
+               what="the replicas' stats after the chat request")
+    assert len(replica_stats(live)) == 2
+    assert {replica: s["blocks_pinned"] for replica, s in replica_stats(live).items()} \
+        == {replica: 0 for replica in replica_stats(live)}
+
+
 def test_a_replica_killed_mid_run(prefix_aware):
     """Kill the replica serving a request while it streams: that request ends with a clear
     EngineError, the service keeps answering (over HTTP too), Ray Serve starts a replacement,

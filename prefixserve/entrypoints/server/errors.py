@@ -98,8 +98,10 @@ def api_error(exc: BaseException, *, param: Optional[str] = None, retry_after_s:
         return exc
     for cls, status, kind in _STATUS:
         if isinstance(exc, cls):
-            # the caller's field fills in only for a mistake in the request
-            field = exc.param or (param if isinstance(exc, InvalidRequestError) else None)
+            # the caller's field fills in only for a mistake in the request, not for a feature
+            # this server lacks (a cached content under --replicas)
+            field = exc.param or (param if isinstance(exc, InvalidRequestError)
+                                  and exc.code != "not_supported" else None)
             message = exc.message
             if renames and field in renames:
                 if message.startswith(f"{field} must"):  # a field check: the client's spelling
