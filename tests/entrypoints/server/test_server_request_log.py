@@ -17,6 +17,7 @@ import pytest
 from live_server import ENGINE, MODEL, LiveServer
 
 from prefixserve import EngineConfig, LLMEngine
+from prefixserve.diagnose import load_renderer
 from prefixserve.diagnose.log_reader import read_log
 from prefixserve.entrypoints.cli import main
 from prefixserve.entrypoints.server.app import build_app
@@ -80,8 +81,12 @@ def test_the_log_reads_back_as_the_conversations_sent(logged, tmp_path, capsys):
     assert {r["request_id"] for r in raw} == set(sent)
     copy = tmp_path / "copy.jsonl"
     copy.write_text("".join(json.dumps(r) + "\n" for r in raw))
+    renderer = load_renderer(MODEL)
+    usage = {r["request_id"]: r["response"]["usage"] for r in raw}
     for record in read_log(copy):
         expected = sent[record.request_id]
+        # The lint renders the logged body to the very prompt the engine was given.
+        assert len(renderer.render(record).token_ids) == usage[record.request_id]["prompt_tokens"]
         if "messages" in expected:
             assert record.messages == expected["messages"]
         else:
