@@ -7,7 +7,7 @@ from pathlib import Path
 
 from prefixserve.diagnose.lint import lint, to_replay
 from prefixserve.diagnose.lint_report import FORMATS, format_lint
-from prefixserve.diagnose.log_reader import read_log
+from prefixserve.diagnose.log_reader import LogRecord, read_log
 from prefixserve.diagnose.render import load_renderer
 from prefixserve.diagnose.replay import ReplayConfig, blocks_needed, replay, unbounded_num_blocks
 from prefixserve.diagnose.replay_report import format_replay, plot_replay
@@ -42,7 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "(the engine's block bookkeeping) for each cache configuration and reports "
                        "hit rate, tokens saved and evictions.")
     p.add_argument("log", help=LOG_HELP)
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="checkpoint folder or random:<preset> whose tokenizer and chat template to use")
     p.add_argument("--cache-blocks", type=int, nargs="+",
                    help="pool sizes in blocks (default: 1/64 .. 1x of a pool that never evicts)")
     p.add_argument("--block-size", type=int, nargs="+", default=[16])
@@ -63,9 +64,30 @@ def parse_fail_on(value: str) -> set[str]:
     return names
 
 
+def other_models(records: list[LogRecord], model: str) -> dict[str, int]:
+    """The models the log's bodies name that are not `model` (a folder matches its name), with
+    how many requests name each: their tokens would be counted with the wrong tokenizer."""
+    same = {model, Path(model).name}
+    found: dict[str, int] = {}
+    for record in records:
+        if record.model is not None and record.model not in same and Path(record.model).name not in same:
+            found[record.model] = found.get(record.model, 0) + 1
+    return found
+
+
+def warn_other_models(records: list[LogRecord], model: str) -> None:
+    others = other_models(records, model)
+    if others:
+        named = ", ".join(f"{name!r} ({count} requests)" for name, count in sorted(others.items()))
+        print(f"prefixserve: warning: the log names {named}, but tokens are counted with the tokenizer and "
+              f"chat template of {model!r}; pass --model with the log's model for exact figures",
+              file=sys.stderr)
+
+
 def run_lint(args: argparse.Namespace) -> int:
     fail_on = parse_fail_on(args.fail_on)
     records = read_log(args.log)
+    warn_other_models(records, args.model)
     report = lint(records, load_renderer(args.model), block_size=args.block_size,
                   source=str(args.log), model=args.model)
     text = format_lint(report, args.format)
@@ -87,7 +109,9 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.cache_blocks and any(n <= 0 for n in args.cache_blocks):
         raise ValueError(f"--cache-blocks must be > 0, got {args.cache_blocks}")
     renderer = load_renderer(args.model)
-    requests = to_replay([renderer.render(r) for r in read_log(args.log)])
+    records = read_log(args.log)
+    warn_other_models(records, args.model)
+    requests = to_replay([renderer.render(r) for r in records])
     results = []
     for block_size in args.block_size:
         full = unbounded_num_blocks(requests, block_size)

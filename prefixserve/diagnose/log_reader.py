@@ -5,6 +5,7 @@ either a request body itself, or a wrapper record whose "body" key holds the bod
 
     {"model": "m", "messages": [...], "tools": [...]}                       # chat completion
     {"model": "m", "prompt": "text" | [token ids] | ["text", ...]}          # completion
+    {"model": "m", "system": "text" | [text blocks], "messages": [...]}    # Anthropic Messages
     {"body": {...}, "timestamp": 1718000000.5, "tenant": "acme",
      "cache_salt": "s", "request_id": "r1", "response": {...}}             # wrapper
 
@@ -17,6 +18,9 @@ Optional fields, read from the wrapper first and then from the body:
   response      the OpenAI response object; choices[0].message.content or choices[0].text is
                 the generated reply and usage.completion_tokens its length.
   output_tokens an int, the number of generated tokens when no response is logged.
+  model         the body's model, so that the lint can say when it counts with another one.
+An Anthropic body's top-level `system` becomes the conversation's first (system) message, as
+the server renders it. `prefixserve serve --request-log PATH` writes wrapper records.
 A completion body whose prompt is a list of strings becomes one request per string
 (ids "<id>#0", "<id>#1", ...). Message content given as a list of parts keeps its text parts.
 """
@@ -46,6 +50,7 @@ class LogRecord:
     timestamp: Optional[float] = None
     output_text: Optional[str] = None
     output_tokens: Optional[int] = None
+    model: Optional[str] = None
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):
@@ -106,8 +111,10 @@ def parse_record(obj: Any, line: int, where: str = "") -> list[LogRecord]:
         raise LogFormatError(f"{where}: cache_salt must be a non-empty string, got {salt!r}")
     if tenant is not None and (not isinstance(tenant, str) or not tenant):
         raise LogFormatError(f"{where}: tenant must be a non-empty string, got {tenant!r}")
+    model = body.get("model")
     common = dict(
-        line=line, cache_salt=salt if salt is not None else tenant, tenant=tenant,
+        line=line, model=model if isinstance(model, str) else None,
+        cache_salt=salt if salt is not None else tenant, tenant=tenant,
         timestamp=_timestamp(pick("timestamp"), where),
         output_text=_output_text(obj.get("response"), where),
         output_tokens=_output_tokens(obj, where))
@@ -118,7 +125,10 @@ def parse_record(obj: Any, line: int, where: str = "") -> list[LogRecord]:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise LogFormatError(f"{where}: chat_template_kwargs must be an object")
-        return [LogRecord(request_id=request_id, messages=_messages(body["messages"], where),
+        messages = _messages(body["messages"], where)
+        if body.get("system") is not None:
+            messages = [_system_message(body["system"], where), *messages]
+        return [LogRecord(request_id=request_id, messages=messages,
                           tools=_tools(body.get("tools"), where),
                           chat_template_kwargs=dict(kwargs), **common)]
     if "prompt" in body:
@@ -154,6 +164,15 @@ def _messages(value: Any, where: str) -> list[dict]:
             raise LogFormatError(f"{where}: messages[{i}].content must be a string or a list of parts")
         out.append(msg)
     return out
+
+
+def _system_message(value: Any, where: str) -> dict:
+    """An Anthropic body's top-level system prompt: a string or a list of text blocks."""
+    if isinstance(value, list):
+        return {"role": "system", "content": _text_of_parts(value, f"{where}: system")}
+    if not isinstance(value, str):
+        raise LogFormatError(f"{where}: 'system' must be a string or a list of text blocks")
+    return {"role": "system", "content": value}
 
 
 def _text_of_parts(parts: list, where: str) -> str:

@@ -70,6 +70,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    metavar="SIZE",
                    help="bodies larger than this (bytes, or with a unit: 64KiB) are parsed and validated in "
                         "the render process, off the event loop (default: %(default)s)")
+    g.add_argument("--request-log", default=None, metavar="PATH",
+                   help="write every finished generation request (body, reply, hashed tenant) to this JSONL "
+                        "file (mode 0600), the log `prefixserve lint` and `prefixserve replay` read")
+    g.add_argument("--request-log-max-bytes", type=byte_size, default=ServerConfig.request_log_max_bytes,
+                   metavar="SIZE", help="the request log moves to PATH.1 (replacing it) before it grows past "
+                                        "this: bytes, or with a unit (64MiB) (default: %(default)s)")
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"), help="least severe log lines shown")
     add_replica_args(p)
@@ -93,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
                                  trust_request_chat_template=args.trust_request_chat_template,
                                  allow_unknown_fields=args.allow_unknown_fields,
                                  max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
-                                 offload_body_bytes=args.offload_body_bytes)
+                                 offload_body_bytes=args.offload_body_bytes,
+                                 request_log=args.request_log,
+                                 request_log_max_bytes=args.request_log_max_bytes)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.max_pinned_fraction_per_tenant = tenant_pin_share(args.max_pinned_fraction,

@@ -97,3 +97,18 @@ def test_lint_on_the_generated_agent_log_finds_every_pattern(tmp_path):
     assert report.fixed_hit_rate > report.hit_rate
     # The control tenant follows the guide: no rule fires on it.
     assert not [f for r in report.requests if r.cache_salt == "wayne" for f in r.findings]
+
+
+@pytest.mark.parametrize("command", ["lint", "replay"])
+def test_a_log_of_another_model_is_warned_about(tmp_path, capsys, command):
+    conversation = [{"role": "user", "content": "Where is my invoice?"}]
+    other = write_log(tmp_path / "other.jsonl", [
+        {"body": {"model": name, "messages": conversation}}
+        for name in ("gpt-4o-mini", "Qwen/Qwen3-8B", "gpt-4o-mini")])
+    same = write_log(tmp_path / "same.jsonl", [{"body": {"model": "random:qwen3-tiny", "messages": conversation}}])
+    assert main([command, str(other), "--model", "random:qwen3-tiny"]) == 0
+    err = capsys.readouterr().err
+    assert "'gpt-4o-mini' (2 requests)" in err and "'Qwen/Qwen3-8B' (1 requests)" in err
+    assert "random:qwen3-tiny" in err
+    assert main([command, str(same), "--model", "random:qwen3-tiny"]) == 0
+    assert "warning" not in capsys.readouterr().err

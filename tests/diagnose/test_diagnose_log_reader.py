@@ -71,3 +71,40 @@ def test_missing_and_empty_logs(tmp_path):
         read_log(tmp_path / "nope.jsonl")
     with pytest.raises(LogFormatError, match="no requests"):
         read_log(write(tmp_path, [""]))
+
+
+@pytest.mark.parametrize("system", [
+    "You are the Contoso help desk. Answer briefly.",
+    [{"type": "text", "text": "You are the Contoso help desk. "},
+     {"type": "text", "text": "Answer briefly.", "cache_control": {"type": "ephemeral"}}],
+])
+def test_an_anthropic_log_keeps_its_system_prompt(tmp_path, system):
+    from prefixserve.diagnose import load_renderer
+    turns = [{"role": "user", "content": "My printer is offline."},
+             {"role": "assistant", "content": "Is it plugged in?"},
+             {"role": "user", "content": [{"type": "text", "text": "Yes, and the light is on."}]}]
+    openai_messages = [{"role": "system", "content": "You are the Contoso help desk. Answer briefly."},
+                       *[{**t, "content": t["content"] if isinstance(t["content"], str) else t["content"][0]["text"]}
+                         for t in turns]]
+    anthropic_log = write(tmp_path, [{"body": {"model": "m", "max_tokens": 8, "system": system, "messages": turns}}])
+    openai_path = tmp_path / "openai.jsonl"
+    openai_path.write_text(json.dumps({"body": {"model": "m", "messages": openai_messages}}) + "\n")
+    renderer = load_renderer("random:qwen3-tiny")
+    # The oracle: the chat template itself, given the conversation in OpenAI's form.
+    expected = renderer.tokenizer.apply_chat_template(openai_messages, tokenize=True)
+    [from_anthropic], [from_openai] = read_log(anthropic_log), read_log(openai_path)
+    assert from_anthropic.messages == openai_messages
+    assert renderer.render(from_anthropic).token_ids == expected
+    assert renderer.render(from_openai).token_ids == expected
+
+
+def test_a_system_that_is_not_text_is_refused_naming_it(tmp_path):
+    path = write(tmp_path, [{"body": {"model": "m", "system": 7, "messages": [{"role": "user", "content": "hi"}]}}])
+    with pytest.raises(LogFormatError, match="'system'"):
+        read_log(path)
+
+
+def test_the_body_model_is_kept(tmp_path):
+    path = write(tmp_path, [{"body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}},
+                            {"prompt": "hi"}])
+    assert [r.model for r in read_log(path)] == ["gpt-4o-mini", None]

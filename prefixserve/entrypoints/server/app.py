@@ -29,6 +29,7 @@ from prefixserve.entrypoints.server.openai.protocol import (ChatCompletionReques
                                                             ModelList)
 from prefixserve.entrypoints.server.prompting.bodies import add_body_schemas, request_body_schema
 from prefixserve.entrypoints.server.prompting.render_pool import RenderPool
+from prefixserve.entrypoints.server.request_log import RequestLog
 from prefixserve.entrypoints.server.state import ServerState, get_state
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,9 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
                         explainer=MissExplainer(async_llm.tokenizer.decode,
                                                 max_requests=config.diagnose_max_requests),
                         renderer=RenderPool(async_llm.info.model, max_tokens=async_llm.max_model_len,
-                                           timeout_s=config.render_timeout_s))
+                                           timeout_s=config.render_timeout_s),
+                        request_log=(RequestLog(config.request_log, config.request_log_max_bytes)
+                                     if config.request_log is not None else None))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -63,6 +66,8 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
             yield
         finally:
             state.renderer.shutdown()
+            if state.request_log is not None:
+                state.request_log.close()
             if owned:
                 async_llm.shutdown()
 

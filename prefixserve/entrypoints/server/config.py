@@ -45,6 +45,10 @@ class ServerConfig:
     allow_unknown_fields: bool = False
     # Longest one rendering may take in the render process before it is killed (a 400).
     render_timeout_s: float = 10.0
+    # JSONL log of every finished generation request, in the format `prefixserve lint` reads
+    # (request_log.py); None: no log. It rotates to PATH.1 before passing request_log_max_bytes.
+    request_log: Optional[str] = None
+    request_log_max_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -63,6 +67,9 @@ class ServerConfig:
         _positive("max_body_bytes", self.max_body_bytes)
         _positive("max_messages", self.max_messages)
         _positive("offload_body_bytes", self.offload_body_bytes)
+        _positive("request_log_max_bytes", self.request_log_max_bytes)
+        if self.request_log is not None and (not isinstance(self.request_log, str) or not self.request_log):
+            raise ValueError(f"request_log must be a non-empty path or None, got {self.request_log!r}")
         for name in ("max_cache_ttl_s", "render_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):

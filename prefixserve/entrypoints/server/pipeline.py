@@ -23,6 +23,7 @@ from prefixserve.entrypoints.server.generation import Generation, submit
 from prefixserve.entrypoints.server.prompting.bodies import ConversationSource
 from prefixserve.entrypoints.server.prompting.pins import unix_time, warning_headers
 from prefixserve.entrypoints.server.protocol import DiagnoseFields
+from prefixserve.entrypoints.server.request_log import LoggedRequest
 from prefixserve.entrypoints.server.rendering import PreparedPrompt, encode_prompts, prepare_prompt
 from prefixserve.entrypoints.server.state import ServerState, get_state, new_id, principal
 from prefixserve.entrypoints.server.streaming import EventStream, Framing, relay
@@ -84,6 +85,11 @@ class Call:
     live: LiveDiagnosis
     tools: Optional[ChatTools]
     created: int
+    # For the request log: when the request arrived, who sent it and its body as sent (None:
+    # no log).
+    arrived: float = 0.0
+    tenant: Optional[str] = None
+    raw_body: Optional[bytes] = None
 
     @property
     def id(self) -> str:
@@ -97,7 +103,18 @@ class Call:
                 self.state.turns.remember(self.prompt.cache_salt, self.prompt.rendered.text,
                                           self.prompt.token_ids, output, self.state.async_llm.tokenizer,
                                           self.prompt.tenant)
+        self.log(outputs)
         return [self.live.finish(rid, out) for rid, out in zip(self.gen.request_ids, outputs)]
+
+    def log(self, outputs: list[RequestOutput]) -> None:
+        if self.state.request_log is None or self.raw_body is None:
+            return
+        samples = [c for output in outputs for c in output.outputs]
+        self.state.request_log.add(LoggedRequest(
+            request_id=self.id, timestamp=self.arrived, tenant=self.tenant, raw_body=self.raw_body,
+            chat=self.prompt is not None, choices=[(c.text, c.finish_reason) for c in samples],
+            prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+            completion_tokens=sum(len(c.token_ids) for c in samples)))
 
     def extension(self, outputs: list[RequestOutput],
                   diagnoses: list[Optional[dict[str, Any]]]) -> Optional[dict[str, Any]]:
@@ -143,6 +160,7 @@ class Call:
 
 async def start(request: Request, ask: GenerationRequest) -> Call:
     """Auth, render and submit: the request is in the engine when this returns."""
+    arrived = time.time()
     state = get_state(request)
     state.check_model(ask.model)
     salt = state.namespace(request, ask.cache_salt)
@@ -168,4 +186,7 @@ async def start(request: Request, ask: GenerationRequest) -> Call:
     gen = await submit(state.async_llm, state.config, state.metrics, new_id(ask.id_prefix), prompts, params,
                        cache_salt=salt, priority=priority, param=ask.param, renames=ask.renames,
                        cache_pins=prepared.plan.pins if prepared is not None else ())
-    return Call(state, gen, prepared, live, tools, created=int(time.time()))
+    # The body dependency has read it already: Starlette keeps it on the request.
+    raw_body = await request.body() if state.request_log is not None else None
+    return Call(state, gen, prepared, live, tools, created=int(time.time()), arrived=arrived,
+                tenant=principal(request).tenant, raw_body=raw_body)

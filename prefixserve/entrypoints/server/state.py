@@ -17,6 +17,7 @@ from prefixserve.entrypoints.server.errors import APIError, bad_request
 from prefixserve.entrypoints.server.metrics import ServerMetrics
 from prefixserve.entrypoints.server.prompting.render_pool import RenderPool
 from prefixserve.entrypoints.server.prompting.turn_memory import TurnMemory
+from prefixserve.entrypoints.server.request_log import RequestLog
 
 
 MAX_SALT_CHARS = 256
@@ -36,6 +37,8 @@ class ServerState:
     # The tokens of recent finished turns, so the next turn's prompt reuses them.
     turns: TurnMemory = field(default_factory=TurnMemory)
     created: int = field(default_factory=lambda: int(time.time()))
+    # Every finished generation request, for `prefixserve lint` (None: --request-log not given).
+    request_log: Optional[RequestLog] = None
 
     def check_model(self, model: Optional[str]) -> None:
         """A request may name the served name or the model as the server was started on
