@@ -233,8 +233,8 @@ PACKED_GEMM(_bf16_widened, _bf16, AVX512_BF16_TARGET, uint16_t, 2, float, _bf16_
  * vector body finishes its own (bias, one rounding, masked columns).
  * Threads split the panels as in the vector body. With up to 16 rows (decode) each panel streams once, in
  * order, 4 KB a step; more rows re-read the panel from L2 once per group of 16.
- * Written and checked against emulated tiles on a CPU without AMX (tests/test_model_packed_gemm_tiles.py);
- * its speed on AMX is not yet measured. */
+ * Written and checked against emulated tiles on a CPU without AMX
+ * (tests/platforms/cpu/test_model_packed_gemm_tiles.py); its speed on AMX is not yet measured. */
 #define TILE_ROWS 16
 #define TILE_PAIRS 16                  /* pairs of k a step takes: 64 bytes of a row of x, 16 steps of a panel */
 #define TILE_K (2 * TILE_PAIRS)
