@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections import deque
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, Sequence, TypeVar
 
 from prefixserve.engine.cached_contents import CachedContent
+from prefixserve.engine.client import until_finished
 from prefixserve.engine.intake import PromptInput
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.engine.outputs import CachePin, EngineInfo, EngineStats, PinInfo, RequestOutput
@@ -258,14 +260,9 @@ class AsyncLLM:
         """
         stream = await self.add_request(request_id, prompt, params, cache_salt=cache_salt,
                                         priority=priority, cache_pins=cache_pins)
-        finished = False
-        try:
-            async for output in stream:
-                finished = output.finished
+        async with contextlib.aclosing(until_finished(stream, lambda: self.abort(request_id))) as outputs:
+            async for output in outputs:
                 yield output
-        finally:
-            if not finished:
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Aborts a request before the next engine step; unknown or finished ids are a no-op.

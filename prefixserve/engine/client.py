@@ -20,7 +20,8 @@ until each serves it in its role:
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, AsyncIterator, Optional, Protocol, Sequence, runtime_checkable
+from typing import (TYPE_CHECKING, AsyncGenerator, AsyncIterator, Callable, Optional, Protocol, Sequence,
+                    runtime_checkable)
 
 from prefixserve.engine.cached_contents import CachedContent
 from prefixserve.engine.intake import PromptInput
@@ -119,3 +120,18 @@ class EngineClient(Protocol):
 
     async def kv_events(self) -> KVEventBatch:
         """What the pool stored, removed and pinned since the last call (engine/kv_event_feed.py)."""
+
+
+async def until_finished(stream: AsyncIterator[RequestOutput],
+                         abort: Callable[[], None]) -> AsyncGenerator[RequestOutput, None]:
+    """A request's outputs as its stream gives them; `abort` runs when the consumer stops before the
+    last one (a break, a cancelled task, an error), so the request's blocks are freed at once. A
+    front's `generate` iterates it under contextlib.aclosing, which closes it when `generate` is closed."""
+    finished = False
+    try:
+        async for output in stream:
+            finished = output.finished
+            yield output
+    finally:
+        if not finished:
+            abort()

@@ -11,6 +11,7 @@ and are refused here; a cached content's create is refused before any replica pi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import MISSING, fields
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, Sequence
 from ray.exceptions import RayError, RayTaskError
 
 from prefixserve.engine import CachePin, EngineInfo, EngineStats, RequestOutput
+from prefixserve.engine.client import until_finished
 from prefixserve.errors import EngineError, InvalidRequestError, PrefixServeError
 from prefixserve.replicas.deployment import ACCEPTED
 from prefixserve.sampling_params import SamplingParams
@@ -191,14 +193,9 @@ class ReplicatedLLM:
         """add_request + iterate; the request is aborted if the iteration stops early."""
         stream = await self.add_request(request_id, prompt, params, cache_salt=cache_salt,
                                         priority=priority, cache_pins=cache_pins)
-        finished = False
-        try:
-            async for output in stream:
-                finished = output.finished
+        async with contextlib.aclosing(until_finished(stream, lambda: self.abort(request_id))) as outputs:
+            async for output in outputs:
                 yield output
-        finally:
-            if not finished:
-                self.abort(request_id)
 
     def _forget_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

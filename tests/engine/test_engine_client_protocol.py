@@ -19,10 +19,8 @@ import pytest
 
 from prefixserve.engine import AsyncLLM, EngineClient, LLMEngine
 from prefixserve.engine.client import FRONT_ONLY
-
-pytest.importorskip("ray")
-from prefixserve.replicas.deployment import EngineReplica  # noqa: E402
-from prefixserve.replicas.front import ReplicatedLLM  # noqa: E402
+from prefixserve.replicas.deployment import EngineReplica
+from prefixserve.replicas.front import ReplicatedLLM
 
 REPLICAS = Path(__file__).resolve().parents[2] / "prefixserve" / "replicas"
 # What a front offers beyond the protocol, for its own users (tests, tools, /metrics of the replicas).
