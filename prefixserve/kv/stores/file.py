@@ -223,13 +223,13 @@ class FileStore(KVStore):
 def _check_private(path: str) -> None:
     """Refuses a directory another user owns or can write into."""
     st = os.stat(path)
-    if st.st_uid != os.geteuid():
-        raise StoreError(f"file store {path} is owned by uid {st.st_uid}, not by this user "
-                         f"(uid {os.geteuid()}): its owner could read and plant records")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise StoreError(f"file store {path} has mode {stat.S_IMODE(st.st_mode):04o}: other "
                          "users can write into it (plant, swap or delete records); use a "
                          "directory only this user can write (chmod 700)")
+    if st.st_uid != os.geteuid():
+        raise StoreError(f"file store {path} is owned by uid {st.st_uid}, not by this user "
+                         f"(uid {os.geteuid()}): its owner could read and plant records")
 
 
 def _make_private_dir(path: str) -> None:
