@@ -8,7 +8,7 @@ until each serves it in its role:
   `replicas/front.ReplicatedLLM` (engine replicas behind Ray Serve) are `EngineClient`s: every
   call with the parameters written here, a coroutine where it is one here. A front that cannot
   serve a call still defines it and raises the error a client gets for it (ReplicatedLLM:
-  pins, named cached contents and the KV event feed each live in one engine).
+  pins by id and the KV event feed each live in one engine).
 - The engine (synchronous): `LLMEngine` serves the calls past a front, all but FRONT_ONLY, on
   the engine thread, under the same names and parameters, as plain methods. It may take more
   keyword-only parameters, each with a default, that only a front passes (add_request's

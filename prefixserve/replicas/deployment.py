@@ -1,7 +1,8 @@
 """One engine replica: an AsyncLLM inside a Ray Serve replica, publishing its KV events.
 
 The replica serves token ids (the front renders and tokenizes once, and the router hashes the
-same ids), streams RequestOutputs, and pushes what its pool holds to the hub: a snapshot when
+same ids), streams what each output adds to the last (deltas.py: bytes through Ray linear in
+the output's length, not quadratic), and pushes what its pool holds to the hub: a snapshot when
 it starts (so a restarted replica's blocks are known again), then its events every
 `publish_period_s`. Only the engine's public API is used. It serves the calls the front
 (front.py) forwards through the Ray Serve handle, in the remote role engine/client.py describes.
@@ -16,6 +17,7 @@ import ray
 from ray import serve
 
 from prefixserve.engine import AsyncLLM, CachePin, EngineConfig, LLMEngine
+from prefixserve.replicas.deltas import DeltaEncoder
 from prefixserve.sampling_params import SamplingParams
 
 ACCEPTED = "accepted"   # first item of every stream: the engine queued the request
@@ -64,16 +66,31 @@ class EngineReplica:
         stream = await self.llm.add_request(request_id, {"prompt_token_ids": list(token_ids)},
                                             params, cache_salt=cache_salt, priority=priority,
                                             cache_pins=cache_pins)
+        deltas = DeltaEncoder()
         try:
             yield (ACCEPTED, self.replica_id)
             async for output in stream:
-                yield output
+                yield deltas.encode(output)
         finally:
             # Cancelled by the front (client gone) or finished: either way nothing keeps running.
             self.llm.abort(request_id)
 
     async def reset_prefix_cache(self, target_replica: Optional[str] = None) -> int:
         return await self.llm.reset_prefix_cache()
+
+    # A cached content lives in the replica it was created on; the front sends these there.
+    async def find_cached_content(self, key: str, owner: Optional[str] = None,
+                                  param: str = "cached_content",
+                                  target_replica: Optional[str] = None) -> tuple:
+        return await self.llm.find_cached_content(key, owner, param)
+
+    async def repin_cached_content(self, key: str, ttl_s: float, owner: Optional[str] = None,
+                                   param: str = "key", target_replica: Optional[str] = None) -> tuple:
+        return await self.llm.repin_cached_content(key, ttl_s, owner, param)
+
+    async def delete_cached_content(self, key: str, owner: Optional[str] = None,
+                                    param: str = "key", target_replica: Optional[str] = None):
+        return await self.llm.delete_cached_content(key, owner, param)
 
     def __del__(self) -> None:
         llm = getattr(self, "llm", None)

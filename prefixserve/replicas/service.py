@@ -97,7 +97,8 @@ class ReplicaService:
         from prefixserve.tokenizer import load_tokenizer
         return ReplicatedLLM(self.handle, self.hub, info=info,
                              tokenizer=load_tokenizer(self.engine_config.model),
-                             max_model_len=first["max_model_len"])
+                             max_model_len=first["max_model_len"],
+                             max_cached_contents_per_tenant=self.engine_config.max_cached_contents_per_tenant)
 
     def stop(self) -> None:
         try:

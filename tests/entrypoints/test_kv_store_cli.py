@@ -62,8 +62,10 @@ def test_stats_and_clear_a_redis_store(tmp_path, model):
 @pytest.mark.parametrize("args, mention", [
     (("stats", "mem://"), "mem://"),
     (("ls", "ftp://host/x"), "scheme"),
-    (("clear", "file:///tmp", "--scope", "../etc"), "hex"),
+    (("clear", "file://{tmp}", "--scope", "../etc"), "hex"),
+    # /tmp itself: everyone can write there, so records could be planted
+    (("stats", "file:///tmp"), "other users can write"),
 ])
-def test_bad_stores_are_clear_errors(args, mention):
-    proc = cli(*args)
+def test_bad_stores_are_clear_errors(args, mention, tmp_path):
+    proc = cli(*(a.format(tmp=tmp_path) for a in args))
     assert proc.returncode == 2 and mention in proc.stderr

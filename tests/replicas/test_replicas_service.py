@@ -174,37 +174,70 @@ def test_chat_and_anthropic_messages_are_served_and_routed_to_the_holder(prefix_
     assert second["type"] == "message" and second["usage"]["cache_read_input_tokens"] > 0
 
 
-def test_cached_contents_are_refused_clearly(prefix_aware):
-    _, _, live = prefix_aware
-    r = httpx.get(live.base_url + "/v1/cached_contents", timeout=30)
-    assert r.status_code == 400 and "replicas" in r.text
+def pinned(live) -> dict[str, int]:
+    """Blocks each replica's pins hold, as it last published."""
+    return {replica: s["blocks_pinned"] for replica, s in replica_stats(live).items()}
 
 
-def test_a_cached_content_is_refused_at_creation_and_pins_nothing(prefix_aware):
-    """A content lives in one engine, and its later get, use and delete are refused under
-    --replicas: so its create is refused too, named or not, and no replica is left holding
-    its pin (the replicas' own stats say so, published after the refusals)."""
-    _, _, live = prefix_aware
-    content = {"model": "random:qwen3-tiny", "system": system_prompt(7), "ttl": "1h",
-               "messages": [{"role": "user", "content": "remember this"}]}
-    for extra in ({}, {"name": "shared-system"}):
-        r = httpx.post(live.base_url + "/v1/cached_contents", json={**content, **extra}, timeout=120)
-        assert r.status_code == 400, r.text
-        error = r.json()["error"]
-        assert error["code"] == "not_supported" and "--replicas" in error["message"], error
-        assert error["param"] is None, error   # no field of the request is wrong
-    before = sum(s["prompt_tokens"] for s in replica_stats(live).values())
-    chat = {"model": "random:qwen3-tiny", "max_tokens": 2, "temperature": 0,
-            "messages": [{"role": "system", "content": system_prompt(7)},
-                         {"role": "user", "content": "remember this"}]}
-    r = httpx.post(live.base_url + "/v1/chat/completions", json=chat, timeout=120)
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None, r.text
-    # Stats counting the chat request were published after both refusals.
-    wait_until(lambda: sum(s["prompt_tokens"] for s in replica_stats(live).values()) > before,
-               what="the replicas' stats after the chat request")
-    assert len(replica_stats(live)) == 2
-    assert {replica: s["blocks_pinned"] for replica, s in replica_stats(live).items()} \
-        == {replica: 0 for replica in replica_stats(live)}
+def chat_with(live, content: str, question: str, salt=None) -> dict:
+    body = {"model": "random:qwen3-tiny", "max_tokens": 2, "temperature": 0,
+            "cached_content": content, "messages": [{"role": "user", "content": question}]}
+    if salt is not None:
+        body["cache_salt"] = salt
+    r = httpx.post(live.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_named_cached_contents_live_on_the_replica_the_router_picked(prefix_aware):
+    """Created through the front on the replica the router picks for its tokens; requests
+    naming it go there and read it from the cache; get, list and delete reach it; names and
+    visibility are per namespace, as on one engine."""
+    _, front, live = prefix_aware
+    assert httpx.post(live.base_url + "/reset_prefix_cache", timeout=60).status_code == 200
+    wait_until(lambda: sum(pinned(live).values()) == 0 and len(pinned(live)) == 2,
+               what="the replicas' stats after the reset")
+    content = {"model": "random:qwen3-tiny", "name": "shared-system", "system": system_prompt(7),
+               "ttl": "1h", "messages": [{"role": "user", "content": "remember this"}]}
+    url = live.base_url + "/v1/cached_contents"
+    r = httpx.post(url, json=content, timeout=120)
+    assert r.status_code == 200, r.text
+    made = r.json()
+    held = made["usage"]["cached_tokens"]
+    assert held == made["usage"]["total_tokens"] // 16 * 16 > 0
+    wait_until(lambda: sorted(pinned(live).values()) == [0, held // 16],
+               what="the content's pin in one replica's stats")
+    holder = next(r for r, n in pinned(live).items() if n)
+    wait_until(lambda: routing(front)["held"].get(holder, 0) >= held // 16,
+               what="the routers' view of the content's blocks")
+    routed_before = routing(front)["routed"].get(holder, 0)
+    total_before = sum(routing(front)["routed"].values())
+    for q in ("first question", "second question", "third question"):
+        assert cached(chat_with(live, "shared-system", q)) >= held
+    wait_until(lambda: sum(routing(front)["routed"].values()) == total_before + 3,
+               what="the routers' report of the three requests")
+    assert routing(front)["routed"].get(holder, 0) - routed_before == 3
+    # Get, list, a taken name, another namespace, delete: as on one engine.
+    got = httpx.get(f"{url}/shared-system", timeout=30)
+    assert got.status_code == 200 and got.json()["id"] == made["id"], got.text
+    assert got.json()["usage"]["cached_tokens"] == held
+    listed = httpx.get(url, timeout=30).json()["data"]
+    assert [c["id"] for c in listed] == [made["id"]]
+    again = httpx.post(url, json=content, timeout=120)
+    assert again.status_code == 409 and again.json()["error"]["param"] == "name", again.text
+    assert httpx.get(f"{url}/shared-system", params={"cache_salt": "other"}, timeout=30).status_code == 404
+    other = httpx.post(url, json={**content, "name": None, "cache_salt": "other"}, timeout=120)
+    assert other.status_code == 200, other.text
+    assert httpx.get(f"{url}/{other.json()['id']}", timeout=30).status_code == 404
+    assert [c["id"] for c in httpx.get(url, params={"cache_salt": "other"}, timeout=30).json()["data"]] \
+        == [other.json()["id"]]
+    assert cached(chat_with(live, other.json()["id"], "salted", salt="other")) >= held
+    for key, params in (("shared-system", {}), (other.json()["id"], {"cache_salt": "other"})):
+        d = httpx.delete(f"{url}/{key}", params=params, timeout=30)
+        assert d.status_code == 200 and d.json()["deleted"], d.text
+    assert httpx.get(f"{url}/shared-system", timeout=30).status_code == 404
+    assert httpx.get(url, timeout=30).json()["data"] == []
+    wait_until(lambda: sum(pinned(live).values()) == 0, what="the pins released on the replicas")
 
 
 def test_a_replica_killed_mid_run(prefix_aware):
@@ -234,3 +267,26 @@ def test_a_replica_killed_mid_run(prefix_aware):
         assert complete(live, system_prompt(4) + f" after {i}", salt="kill")["choices"]
     wait_until(lambda: victim not in routing(front)["held"], timeout=60)
     wait_until(lambda: len(replica_stats(live)) == 2 and victim not in replica_stats(live), timeout=120)
+
+
+def test_a_cached_content_outlives_its_replica(prefix_aware):
+    """Its replica killed, the content is created again from the front's definition on the
+    replica the router picks now, and requests naming it hit it there."""
+    service, front, live = prefix_aware
+    url = live.base_url + "/v1/cached_contents"
+    r = httpx.post(url, json={"model": "random:qwen3-tiny", "name": "survivor", "ttl": "1h",
+                              "system": system_prompt(8), "messages": []}, timeout=120)
+    assert r.status_code == 200, r.text
+    held = r.json()["usage"]["cached_tokens"]
+    wait_until(lambda: sum(pinned(live).values()) == held // 16, what="the content's pin")
+    victim = next(r for r, n in pinned(live).items() if n)
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{service.config.app_name}#EngineReplica#{victim}",
+                           namespace="serve"), no_restart=True)
+    wait_until(lambda: len(replica_stats(live)) == 2 and victim not in replica_stats(live),
+               timeout=120, what="a replacement replica")
+    assert cached(chat_with(live, "survivor", "still there?")) >= held
+    got = httpx.get(f"{url}/survivor", timeout=30)
+    assert got.status_code == 200 and got.json()["id"] == r.json()["id"], got.text
+    wait_until(lambda: sum(pinned(live).values()) == held // 16, what="the content pinned again")
+    assert victim not in pinned(live)
+    assert httpx.delete(f"{url}/survivor", timeout=30).status_code == 200

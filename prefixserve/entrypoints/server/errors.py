@@ -99,7 +99,7 @@ def api_error(exc: BaseException, *, param: Optional[str] = None, retry_after_s:
     for cls, status, kind in _STATUS:
         if isinstance(exc, cls):
             # the caller's field fills in only for a mistake in the request, not for a feature
-            # this server lacks (a cached content under --replicas)
+            # this server lacks (pins by id under --replicas)
             field = exc.param or (param if isinstance(exc, InvalidRequestError)
                                   and exc.code != "not_supported" else None)
             message = exc.message

@@ -83,6 +83,7 @@ class EngineStatsCollector(Collector):
                     ("load_seconds", "Seconds spent reading and verifying blocks from the store."),
                     ("dropped_writes", "KV blocks not written: the writer's queue was full."),
                     ("rejected", "Records refused: corrupt, truncated, stale or of another format."),
+                    ("forged", "Records refused because their MAC did not verify (a store with a MAC key)."),
                     ("errors", "Store faults: unreachable, I/O errors, disk full."))
         for name, doc in counters:
             family = CounterMetricFamily(P + "kv_store_" + name, doc, labels=["model_name", "store"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Iterator, Optional, Sequence
 
+from prefixserve.kv.stores.mac import RecordMac, load_mac
 from prefixserve.kv.stores.url import StoreSpec
 
 # (head, payload, checksum) as record.encode_parts returns them.
@@ -21,6 +22,8 @@ class KVStore(ABC):
 
     def __init__(self, spec: StoreSpec) -> None:
         self.spec = spec
+        # What seals its records: None, a checksum anyone can recompute.
+        self.mac: Optional[RecordMac] = load_mac(spec.mac_key_file, spec.mac_key_env)
 
     @property
     def display(self) -> str:

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 
 from prefixserve.kv.stores.base import KVStore, StoreError
 from prefixserve.kv.stores.record import (CHECKSUM_BYTES, BlockMeta, RecordError, encode_head,
-                                          encode_parts, verify)
+                                          encode_parts, reseal, verify)
 from prefixserve.kv.stores.scope import KeyScope
 from prefixserve.kv.stores.stats import KVStoreStats
 
@@ -154,7 +154,7 @@ class StoreChain:
             if size is None:
                 return None, None
             try:
-                verify(head, size, got_head, targets[k], checksum)
+                verify(head, size, got_head, targets[k], checksum, store.mac)
             except RecordError as exc:
                 return size, exc
             return size, None
@@ -183,6 +183,7 @@ class StoreChain:
                 else:
                     ok.append(False)
                 st.rejected += error is not None
+                st.forged += error is not None and error.reason == "forged"
         for meta, (size, error) in zip(metas, results):
             if error is not None:
                 key = self.scope.key(meta.block_hash)
@@ -242,7 +243,7 @@ class StoreChain:
             except StoreError as exc:
                 self._fault(i, exc)
                 continue
-            self._put(i, key, encode_parts(self._scope_digest, meta, payload))
+            self._put(i, key, encode_parts(self._scope_digest, meta, payload, store.mac))
             return
         self.note_dropped()   # every store that could take it is failing
 
@@ -268,8 +269,9 @@ class StoreChain:
                 # Only now, placed below (or lost with a failing store), does it leave.
                 self._delete_quietly(above, key)
             for k, v in evicted:
-                if self._up(i + 1):
-                    pending.append((i + 1, k, (v,), i))
+                moved = self._resealed(i, i + 1, k, v) if self._up(i + 1) else None
+                if moved is not None:
+                    pending.append((i + 1, k, moved, i))
                 else:
                     self._delete_quietly(i, k)
 
@@ -286,8 +288,21 @@ class StoreChain:
             if store.persistent or nxt is None or not hasattr(store, "drain"):
                 continue
             for key, data in store.drain():
-                if self._up(nxt):
-                    self._put(nxt, key, (data,))
+                moved = self._resealed(i, nxt, key, data) if self._up(nxt) else None
+                if moved is not None:
+                    self._put(nxt, key, moved)
+
+    def _resealed(self, src: int, dst: int, key: str, record) -> Optional[tuple]:
+        """A record moving from store src to store dst, sealed for dst; None (counted as
+        refused by src) when its seal in src does not verify."""
+        moved = reseal(record, self.stores[src].mac, self.stores[dst].mac)
+        if moved is None:
+            with self._lock:
+                self._stats[src].rejected += 1
+                self._stats[src].forged += self.stores[src].mac is not None
+            logger.info("KV store %s: record %s refused on its way to %s (its seal does not "
+                        "verify)", self.stores[src].display, key, self.stores[dst].display)
+        return moved
 
     # --------------------------------------------------------------- stats
     def stats(self) -> list[KVStoreStats]:

@@ -5,6 +5,11 @@ store opens fast. Files are written under a temporary name and renamed into plac
 crash leaves either the whole record or none; a torn or altered file fails its checksum when
 read and is deleted. Several processes may share a directory: one that misses its own index
 looks at the disk before answering.
+
+Records hold token ids in clear, so the store is private to the user running the engine,
+whatever the umask: scope directories are created 0700 and records 0600, and a directory
+that another user owns or can write (where they could plant, swap or read records) is
+refused at start.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import itertools
 import logging
 import os
 import re
+import stat
 import threading
 from collections import OrderedDict
 from typing import Iterator, Optional, Sequence
@@ -20,6 +26,8 @@ from prefixserve.kv.stores.base import KVStore, RecordParts, StoreError
 from prefixserve.kv.stores.url import StoreSpec
 
 SUFFIX = ".kvb"
+DIR_MODE = 0o700
+RECORD_MODE = 0o600
 _KEY = re.compile(r"([0-9a-f]{2,64})/([0-9a-f]{2,128})")
 logger = logging.getLogger(__name__)
 
@@ -40,7 +48,8 @@ class FileStore(KVStore):
         self._leaving: set[str] = set()
         self._tmp_ids = itertools.count()
         try:
-            os.makedirs(self.root, exist_ok=True)
+            _make_private_dir(self.root)
+            _check_private(self.root)
             self._load_index()
         except OSError as exc:
             raise StoreError(f"cannot open file store {self.root}: {exc}") from None
@@ -51,6 +60,9 @@ class FileStore(KVStore):
             for scope in scopes:
                 if not scope.is_dir(follow_symlinks=False):
                     continue
+                # One written by an older build may be 0755: closed now, before use.
+                _check_private(scope.path)
+                os.chmod(scope.path, DIR_MODE)
                 with os.scandir(scope.path) as entries:
                     for e in entries:
                         if not e.name.endswith(SUFFIX):
@@ -131,8 +143,10 @@ class FileStore(KVStore):
         tmp = os.path.join(os.path.dirname(path),
                            f".tmp.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_ids)}")
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "wb") as f:
+            _make_private_dir(os.path.dirname(path))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, RECORD_MODE)
+            with open(fd, "wb") as f:
+                os.fchmod(fd, RECORD_MODE)   # the umask may have taken bits from it
                 for p in parts:
                     f.write(p)
             os.replace(tmp, path)
@@ -204,6 +218,33 @@ class FileStore(KVStore):
     def usage(self) -> tuple[int, int]:
         with self._lock:
             return len(self._index), self._bytes
+
+
+def _check_private(path: str) -> None:
+    """Refuses a directory another user owns or can write into."""
+    st = os.stat(path)
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise StoreError(f"file store {path} has mode {stat.S_IMODE(st.st_mode):04o}: other "
+                         "users can write into it (plant, swap or delete records); use a "
+                         "directory only this user can write (chmod 700)")
+    if st.st_uid != os.geteuid():
+        raise StoreError(f"file store {path} is owned by uid {st.st_uid}, not by this user "
+                         f"(uid {os.geteuid()}): its owner could read and plant records")
+
+
+def _make_private_dir(path: str) -> None:
+    """Creates path and the parents it lacks, each 0700 whatever the umask (a parent others
+    could write would let them move the store away and put their own in its place)."""
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    if parent != path:
+        _make_private_dir(parent)
+    try:
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        return
+    os.chmod(path, DIR_MODE)
 
 
 def _after(buffers: Sequence[memoryview], offset: int) -> list[memoryview]:

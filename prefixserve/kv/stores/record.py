@@ -4,7 +4,9 @@
 
 header: scope digest, block hash, parent hash, token ids, extra keys (each u32-length
 prefixed), u64 payload length. payload: the block's K and V for every layer, in the scope's
-layout. checksum: XXH3-128 over everything before it. A reader knows the block it expects, so
+layout. checksum: XXH3-128 over everything before it, or, in a store given a MAC key, a keyed
+BLAKE2b-128 over the same bytes (mac.py): same size, so records differ only in who could
+have written them. A reader knows the block it expects, so
 it knows the whole head and the record's size before reading: it reads the payload straight
 into the pool's memory and accepts the record only if its size and head are exactly the
 expected ones and the checksum matches, so a truncated, corrupted, stale or colliding record
@@ -14,17 +16,18 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import xxhash
 
+from prefixserve.kv.stores.mac import TAG_BYTES, RecordMac
 from prefixserve.kv.stores.scope import FORMAT_VERSION
 
 MAGIC = b"PSKV"
 _PREAMBLE = struct.Struct("<4sHI")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-CHECKSUM_BYTES = 16
+CHECKSUM_BYTES = TAG_BYTES
 
 
 class RecordError(Exception):
@@ -51,26 +54,50 @@ def encode_head(scope_digest: bytes, meta: BlockMeta, payload_len: int) -> bytes
     return _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header)) + header
 
 
-def encode_parts(scope_digest: bytes, meta: BlockMeta, payload) -> tuple[bytes, memoryview, bytes]:
-    """(head, payload, checksum): written one after the other they form the record, so a
-    large payload is never copied to be framed."""
+def seal(parts: Sequence, mac: Optional[RecordMac] = None) -> bytes:
+    """The record's last field over `parts` (everything before it): the checksum, or the MAC
+    under a store's key."""
+    if mac is not None:
+        return mac.tag(parts)
+    digest = xxhash.xxh3_128()
+    for p in parts:
+        digest.update(p)
+    return digest.digest()
+
+
+def encode_parts(scope_digest: bytes, meta: BlockMeta, payload,
+                 mac: Optional[RecordMac] = None) -> tuple[bytes, memoryview, bytes]:
+    """(head, payload, checksum or MAC): written one after the other they form the record, so
+    a large payload is never copied to be framed."""
     body = memoryview(payload).cast("B")
     head = encode_head(scope_digest, meta, body.nbytes)
-    digest = xxhash.xxh3_128()
-    digest.update(head)
-    digest.update(body)
-    return head, body, digest.digest()
+    return head, body, seal((head, body), mac)
 
 
-def encode(scope_digest: bytes, meta: BlockMeta, payload) -> bytes:
-    return b"".join(encode_parts(scope_digest, meta, payload))
+def encode(scope_digest: bytes, meta: BlockMeta, payload, mac: Optional[RecordMac] = None) -> bytes:
+    return b"".join(encode_parts(scope_digest, meta, payload, mac))
 
 
-def verify(expected_head: bytes, size: int, head, payload: Sequence, checksum) -> None:
+def reseal(record, old: Optional[RecordMac], new: Optional[RecordMac]) -> Optional[tuple]:
+    """A whole record moving from a store sealed with `old` to one sealed with `new` (a
+    spill): its parts under the new seal, or None when it does not verify under the old one,
+    so a record forged in one store is never vouched for by the next store's key."""
+    view = memoryview(record).cast("B")
+    if old == new:
+        return (view,)
+    body, last = view[:-CHECKSUM_BYTES], view[-CHECKSUM_BYTES:]
+    if view.nbytes <= CHECKSUM_BYTES or seal((body,), old) != last:
+        return None
+    return body, seal((body,), new)
+
+
+def verify(expected_head: bytes, size: int, head, payload: Sequence, checksum,
+           mac: Optional[RecordMac] = None) -> None:
     """Checks a record read as its parts against the head a reader expects (encode_head): a
     record of `size` bytes whose head equals it byte for byte (the same scope, hash, parent,
-    tokens, extra keys and payload length) and whose checksum covers head and payload.
-    Raises RecordError otherwise; the parts may hold anything then."""
+    tokens, extra keys and payload length) and whose checksum (MAC, with `mac`) covers head
+    and payload. Raises RecordError otherwise ("forged" for a MAC that does not match); the
+    parts may hold anything then."""
     payload_len = sum(memoryview(p).nbytes for p in payload)
     if size != len(expected_head) + payload_len + CHECKSUM_BYTES:
         raise RecordError("size", f"{size} bytes, the expected block's record has "
@@ -84,9 +111,8 @@ def verify(expected_head: bytes, size: int, head, payload: Sequence, checksum) -
             raise RecordError("version", f"format version {version}, this build reads "
                               f"{FORMAT_VERSION}")
         raise RecordError("mismatch", "scope, hash, parent, tokens or extra keys differ")
-    digest = xxhash.xxh3_128()
-    digest.update(head)
-    for part in payload:
-        digest.update(part)
-    if digest.digest() != memoryview(checksum).cast("B"):
+    if seal((head, *payload), mac) != memoryview(checksum).cast("B"):
+        if mac is not None:
+            raise RecordError("forged", f"MAC mismatch under the key from {mac.source}: "
+                              "written without it, with another key, or altered")
         raise RecordError("checksum", "checksum mismatch")

@@ -15,6 +15,7 @@ class KVStoreStats:
     writes: int = 0          # records written (spills from a faster store included)
     dropped_writes: int = 0  # blocks not written: the writer's queue was full, or every store failing
     rejected: int = 0        # records read and refused: corrupt, truncated, stale, other format
+    forged: int = 0          # of those, records whose MAC did not verify (store with a MAC key)
     errors: int = 0          # faults: unreachable, I/O errors, disk full
     records: int = -1        # records held (-1: not counted, a remote store)
     bytes_held: int = -1

@@ -1,5 +1,8 @@
 """Store URLs: `mem://?size=8GiB`, `file:///dir?size=100GiB`, `redis://host:6379/0`.
 
+A file or Redis store takes `?mac_key_file=PATH` or `?mac_key_env=NAME`: where the secret
+that authenticates its records is (mac.py); never the secret itself.
+
 Parsed once when the engine is configured, so a mistyped URL is an error at start, never a
 store that silently misses.
 """
@@ -40,6 +43,8 @@ class StoreSpec:
     path: Optional[str] = None     # file: the directory
     timeout_s: float = DEFAULT_REDIS_TIMEOUT_S
     redis_url: Optional[str] = None  # redis: the URL handed to redis-py (our options removed)
+    mac_key_file: Optional[str] = None  # file, redis: the file holding the records' MAC key
+    mac_key_env: Optional[str] = None   # ... or the environment variable holding it
 
     @property
     def display(self) -> str:
@@ -51,6 +56,24 @@ class StoreSpec:
         if parts.port is not None:
             host = f"{host}:{parts.port}"
         return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def _mac_source(url: str, query: dict) -> dict:
+    """The MAC key's source named in a URL's query (taken out of it)."""
+    if "mac_key" in query:
+        raise ValueError(f"KV store URL {url.split('?')[0]}: a MAC key is never given on the "
+                         "command line (ps and shell histories show it); put it in a file "
+                         "(?mac_key_file=PATH, mode 600) or an environment variable "
+                         "(?mac_key_env=NAME)")
+    found = {k: query.pop(k) for k in ("mac_key_file", "mac_key_env") if k in query}
+    if len(found) > 1:
+        raise ValueError(f"KV store URL {url!r}: give mac_key_file or mac_key_env, not both")
+    for k, v in found.items():
+        if not v:
+            raise ValueError(f"KV store URL {url!r}: {k} is empty")
+    if not found.get("mac_key_file", "/").startswith("/"):
+        raise ValueError(f"KV store URL {url!r}: mac_key_file must be an absolute path")
+    return found
 
 
 def parse_store_url(url: str) -> StoreSpec:
@@ -66,7 +89,11 @@ def parse_store_url(url: str) -> StoreSpec:
     except ValueError:
         raise ValueError(f"KV store URL {url!r}: malformed query string") from None
     size = parse_size(query.pop("size")) if "size" in query else None
+    mac = _mac_source(url, query)
     if scheme == "mem":
+        if mac:
+            raise ValueError(f"KV store URL {url!r}: a mem:// store is this process's own "
+                             "memory, which no one else can write; it takes no MAC key")
         if parts.netloc or parts.path not in ("", "/") or query:
             raise ValueError(f"KV store URL {url!r}: mem:// takes only ?size=")
         return StoreSpec("mem", url, size=size or DEFAULT_MEM_SIZE)
@@ -75,9 +102,9 @@ def parse_store_url(url: str) -> StoreSpec:
             raise ValueError(f"KV store URL {url!r}: file:// needs an absolute directory "
                              "(file:///var/cache/prefixserve)")
         if query:
-            raise ValueError(f"KV store URL {url!r}: file:// takes only ?size=, got "
-                             f"{sorted(query)}")
-        return StoreSpec("file", url, size=size, path=parts.path)
+            raise ValueError(f"KV store URL {url!r}: file:// takes only ?size=, ?mac_key_file= "
+                             f"and ?mac_key_env=, got {sorted(query)}")
+        return StoreSpec("file", url, size=size, path=parts.path, **mac)
     if size is not None:
         raise ValueError(f"KV store URL {url!r}: a Redis server bounds itself (maxmemory); "
                          "size= is not taken")
@@ -93,4 +120,4 @@ def parse_store_url(url: str) -> StoreSpec:
         raise ValueError(f"KV store URL {url!r}: redis:// needs a host")
     rest = "&".join(f"{k}={v}" for k, v in query.items())
     redis_url = urlunsplit((parts.scheme, parts.netloc, parts.path, rest, ""))
-    return StoreSpec(scheme, url, timeout_s=timeout, redis_url=redis_url)
+    return StoreSpec(scheme, url, timeout_s=timeout, redis_url=redis_url, **mac)
