@@ -60,11 +60,12 @@ def test_a_share_on_a_device_without_a_memory_query_is_an_error_naming_the_optio
 
 
 @pytest.mark.parametrize("text", ["0", "0%", "0.0", "150%", "1.5", "-0.5", "-50%", "50%%", "%", "0.5GiB%"])
-def test_a_bad_share_is_an_argparse_error_naming_the_option(text):
-    proc = subprocess.run([sys.executable, "-m", "prefixserve", "serve", f"--kv-cache-memory={text}"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "argument --kv-cache-memory" in proc.stderr and repr(text) in proc.stderr
+def test_a_bad_share_is_an_argparse_error_naming_the_option(text, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse("serve", f"--kv-cache-memory={text}")
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --kv-cache-memory" in err and repr(text) in err
 
 
 def test_help_names_the_share():
@@ -74,3 +75,20 @@ def test_help_names_the_share():
 
 def parse_help(command: str) -> str:
     return build_parser()._subparsers._group_actions[0].choices[command].format_help()
+
+
+def test_on_cuda_the_share_is_of_the_drivers_free_memory_on_that_gpu(monkeypatch):
+    """No GPU here: torch.cuda.mem_get_info stands in for the driver, and the test checks that the
+    share is asked of the GPU named (its index kept) and taken of its free bytes, not its total."""
+    import torch
+
+    asked = []
+
+    def mem_get_info(device):
+        asked.append(device)
+        return 6 * 2**30, 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    config = engine_config_from_args(parse("serve", "--device", "cuda:1", "--kv-cache-memory", "50%"))
+    assert config.kv_cache_memory == 3 * 2**30
+    assert asked == [torch.device("cuda:1")]
