@@ -19,10 +19,15 @@ Optional fields, read from the wrapper first and then from the body:
                 the generated reply and usage.completion_tokens its length.
   output_tokens an int, the number of generated tokens when no response is logged.
   model         the body's model, so that the lint can say when it counts with another one.
-An Anthropic body's top-level `system` becomes the conversation's first (system) message, as
-the server renders it. `prefixserve serve --request-log PATH` writes wrapper records.
+Every message and tool becomes what the server's chat template reads, so a logged request lints
+to the prompt tokens the engine counted for it: an Anthropic body's top-level `system` becomes
+the first (system) message; its `tool_use` blocks an assistant's `tool_calls` and its
+`tool_result` blocks `tool` messages (prefixserve.prompt.tool_blocks, the server's own
+conversion); a tool given with `input_schema` becomes an OpenAI function tool; content given
+as text parts is their texts joined by newlines; `cache_control` marks are dropped.
+`prefixserve serve --request-log PATH` writes wrapper records.
 A completion body whose prompt is a list of strings becomes one request per string
-(ids "<id>#0", "<id>#1", ...). Message content given as a list of parts keeps its text parts.
+(ids "<id>#0", "<id>#1", ...).
 """
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional, Union
+
+from prefixserve.errors import InvalidRequestError
+from prefixserve.prompt.tool_blocks import has_tool_blocks, tool_turns
 
 
 class LogFormatError(ValueError):
@@ -156,8 +164,15 @@ def _messages(value: Any, where: str) -> list[dict]:
     for i, msg in enumerate(value):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise LogFormatError(f"{where}: messages[{i}] must be an object with a string 'role'")
-        msg = dict(msg)
         content = msg.get("content")
+        if has_tool_blocks(content):
+            try:
+                out += [turn.template_message() for turn in tool_turns(msg["role"], content, f"messages[{i}]")]
+            except InvalidRequestError as exc:
+                raise LogFormatError(f"{where}: {exc}") from None
+            continue
+        # as the server builds a message: no marks, no null fields
+        msg = {k: v for k, v in msg.items() if v is not None and k != "cache_control"}
         if isinstance(content, list):
             msg["content"] = _text_of_parts(content, f"{where}: messages[{i}].content")
         elif content is not None and not isinstance(content, str):
@@ -182,7 +197,7 @@ def _text_of_parts(parts: list, where: str) -> str:
                 part.get("text"), str):
             raise LogFormatError(f"{where}[{j}]: only text parts are supported, got {part!r:.80}")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def _tools(value: Any, where: str) -> Optional[list[dict]]:
@@ -190,7 +205,21 @@ def _tools(value: Any, where: str) -> Optional[list[dict]]:
         return None
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         raise LogFormatError(f"{where}: 'tools' must be a list of objects")
-    return value or None
+    return [_openai_tool(t, f"{where}: tools[{i}]") for i, t in enumerate(value)] or None
+
+
+def _openai_tool(tool: dict, where: str) -> dict:
+    """The tool as the template reads it: OpenAI's shape, without its cache_control mark."""
+    spec = {k: v for k, v in tool.items() if k != "cache_control"}
+    if "input_schema" not in spec:
+        return spec
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise LogFormatError(f"{where}.name must be a non-empty string")
+    function = {"name": spec["name"]}
+    if spec.get("description") is not None:
+        function["description"] = spec["description"]
+    function["parameters"] = spec["input_schema"]
+    return {"type": "function", "function": function}
 
 
 def _timestamp(value: Any, where: str) -> Optional[float]:

@@ -8,6 +8,7 @@ from typing import Optional
 
 from prefixserve.engine.config import (DEVICE_TYPES, DTYPES, EVICTION_POLICIES, HASH_ALGOS, KV_LAYOUTS,
                                        KV_STORE_WRITES, SCHEDULING_POLICIES, EngineConfig, parse_size)
+from prefixserve.entrypoints.memory_size import SHARE_HELP, in_bytes, memory_size
 
 logger = logging.getLogger(__name__)
 _DEFAULTS = EngineConfig()
@@ -57,8 +58,8 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str, positio
     g.add_argument("--hash-algo", default=_DEFAULTS.hash_algo, choices=HASH_ALGOS, help="block hash function")
     g.add_argument("--eviction-policy", default=_DEFAULTS.eviction_policy, choices=EVICTION_POLICIES,
                    help="which cached free block the pool reuses first")
-    g.add_argument("--kv-cache-memory", type=byte_size, default=_DEFAULTS.kv_cache_memory, metavar="SIZE",
-                   help="KV pool size: bytes, or with a unit (4GiB, 512MiB, 2GB) "
+    g.add_argument("--kv-cache-memory", type=memory_size, default=_DEFAULTS.kv_cache_memory, metavar="SIZE",
+                   help="KV pool size: bytes, or with a unit (4GiB, 512MiB, 2GB), " + SHARE_HELP + " "
                         "(default: 4GiB on a CPU, capped at what --max-num-seqs full sequences use)")
     g.add_argument("--num-kv-blocks", type=int, default=_DEFAULTS.num_kv_blocks,
                    help="KV pool size in blocks; wins over --kv-cache-memory (default: from --kv-cache-memory)")
@@ -96,6 +97,9 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
         torch.set_num_threads(args.threads)
     values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
     values["model"] = model_from_args(args)
+    if "kv_cache_memory" in values:
+        values["kv_cache_memory"] = in_bytes(values["kv_cache_memory"], values.get("device", "cpu"),
+                                             "--kv-cache-memory")
     values.update(overrides)
     return EngineConfig(**values)
 

@@ -11,6 +11,8 @@ from prefixserve.engine.llm import LLM
 from prefixserve.entrypoints.engine_args import add_engine_args, engine_config_from_args, say_if_random
 from prefixserve.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate a completion for one or more prompts")
@@ -55,6 +57,11 @@ def run(args: argparse.Namespace) -> int:
     if not prompts:
         raise ValueError("no prompts: give PROMPT texts or --input FILE")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for prompt in args.prompts:
+        # `generate prompts.jsonl` reads as a file to a new user: say what happened to it
+        if "\n" not in prompt and len(prompt) < 4096 and Path(prompt).is_file():
+            logger.warning("the prompt %r is taken as text, though a file has that name; "
+                           "--input %s reads prompts from it", prompt, prompt)
     config = engine_config_from_args(args)
     say_if_random(config.model, "generating from")
     llm = LLM(**vars(config))

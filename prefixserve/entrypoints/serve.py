@@ -88,24 +88,11 @@ def run(args: argparse.Namespace) -> int:
     from prefixserve.engine.llm_engine import LLMEngine
     from prefixserve.entrypoints.server.app import build_app
 
-    if args.api_key is not None and args.api_keys is not None:
-        raise ValueError("give --api-key or --api-keys, not both")
-    keys = (KeyTable.single(args.api_key) if args.api_key is not None
-            else KeyTable.from_file(args.api_keys) if args.api_keys is not None else None)
-    server_config = ServerConfig(host=args.host, port=args.port,
-                                 served_model_name=args.served_model_name,
-                                 max_waiting=args.max_waiting, retry_after_s=args.retry_after_s,
-                                 cache_ttl_scale=args.cache_ttl_scale, keys=keys,
-                                 trust_request_chat_template=args.trust_request_chat_template,
-                                 allow_unknown_fields=args.allow_unknown_fields,
-                                 max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
-                                 offload_body_bytes=args.offload_body_bytes,
-                                 request_log=args.request_log,
-                                 request_log_max_bytes=args.request_log_max_bytes)
+    server_config = server_config_from_args(args)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.max_pinned_fraction_per_tenant = tenant_pin_share(args.max_pinned_fraction,
-                                                           args.max_pinned_fraction_per_tenant, keys)
+                                                           args.max_pinned_fraction_per_tenant, server_config.keys)
     # The server bounds the queue itself (and answers 429); the engine stays unbounded behind it.
     # Replicated, each replica bounds its own queue (429 from there) and the front holds none.
     engine_config = engine_config_from_args(args, max_waiting=None, max_pinned_fraction=args.max_pinned_fraction)
@@ -116,6 +103,24 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(engine, server_config)
     uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=args.log_level)
     return 0
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The server's settings from serve's options (the engine's come from engine_config_from_args)."""
+    if args.api_key is not None and args.api_keys is not None:
+        raise ValueError("give --api-key or --api-keys, not both")
+    keys = (KeyTable.single(args.api_key) if args.api_key is not None
+            else KeyTable.from_file(args.api_keys) if args.api_keys is not None else None)
+    return ServerConfig(host=args.host, port=args.port,
+                        served_model_name=args.served_model_name,
+                        max_waiting=args.max_waiting, retry_after_s=args.retry_after_s,
+                        cache_ttl_scale=args.cache_ttl_scale, keys=keys,
+                        trust_request_chat_template=args.trust_request_chat_template,
+                        allow_unknown_fields=args.allow_unknown_fields,
+                        max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
+                        offload_body_bytes=args.offload_body_bytes,
+                        request_log=args.request_log,
+                        request_log_max_bytes=args.request_log_max_bytes)
 
 
 def tenant_pin_share(total: float, asked: Optional[float], keys: Optional[KeyTable]) -> Optional[float]:

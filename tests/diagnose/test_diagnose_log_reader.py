@@ -32,7 +32,7 @@ def test_bare_bodies_and_wrappers(tmp_path):
     assert records[1].prompt == "once upon" and records[1].cache_salt == "acme"
     assert records[1].output_text == " a time" and records[1].output_tokens == 3
     assert records[2].prompt == [5, 6, 7] and records[2].output_tokens == 4
-    assert records[5].messages[0]["content"] == "xy"
+    assert records[5].messages[0]["content"] == "x\ny"   # text parts joined as the server joins them
 
 
 def test_cache_salt_wins_over_tenant(tmp_path):
@@ -83,7 +83,9 @@ def test_an_anthropic_log_keeps_its_system_prompt(tmp_path, system):
     turns = [{"role": "user", "content": "My printer is offline."},
              {"role": "assistant", "content": "Is it plugged in?"},
              {"role": "user", "content": [{"type": "text", "text": "Yes, and the light is on."}]}]
-    openai_messages = [{"role": "system", "content": "You are the Contoso help desk. Answer briefly."},
+    # the server joins a message's text blocks with newlines
+    system_text = system if isinstance(system, str) else "\n".join(block["text"] for block in system)
+    openai_messages = [{"role": "system", "content": system_text},
                        *[{**t, "content": t["content"] if isinstance(t["content"], str) else t["content"][0]["text"]}
                          for t in turns]]
     anthropic_log = write(tmp_path, [{"body": {"model": "m", "max_tokens": 8, "system": system, "messages": turns}}])

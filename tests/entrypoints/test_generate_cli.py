@@ -28,10 +28,15 @@ def prompt_lengths(capsys, *argv: str) -> list[int]:
     return [int(n) for n in re.findall(r"^--- \S+: (\d+) prompt tokens", capsys.readouterr().out, re.M)]
 
 
-def test_a_file_name_given_as_a_prompt_stays_literal_text(capsys, jsonl, monkeypatch):
+def test_a_file_name_given_as_a_prompt_stays_literal_text_and_says_so(capsys, caplog, jsonl, monkeypatch):
     monkeypatch.chdir(jsonl.parent)
     tokenizer = load_tokenizer(MODEL)
     assert prompt_lengths(capsys, "one.jsonl") == [len(tokenizer.encode("one.jsonl"))]
+    assert [r.getMessage() for r in caplog.records if "--input" in r.getMessage()] == [
+        "the prompt 'one.jsonl' is taken as text, though a file has that name; --input one.jsonl reads prompts from it"]
+    caplog.clear()
+    prompt_lengths(capsys, "two.jsonl")   # no such file: plain text, nothing to say
+    assert not [r for r in caplog.records if "--input" in r.getMessage()]
 
 
 def test_input_reads_the_prompts_of_a_file_after_the_literal_ones(capsys, jsonl):

@@ -11,7 +11,7 @@ from typing import Any, Optional, Union
 
 from prefixserve.prompt import Conversation, Part, Tool, Turn, parse_cache_control
 from prefixserve.entrypoints.server.errors import bad_request
-from prefixserve.entrypoints.server.prompting.tool_blocks import has_tool_blocks, tool_turns
+from prefixserve.prompt.tool_blocks import has_tool_blocks, tool_turns
 
 
 def parts_of(content: Union[str, list, None], where: str) -> Optional[list[Part]]:

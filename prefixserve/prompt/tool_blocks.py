@@ -1,5 +1,6 @@
-"""Anthropic-shaped tool blocks -> the turns the chat template reads. The Messages endpoint and
-named cached contents both take them; the blocks of a reply are anthropic/tools.py's.
+"""Anthropic-shaped tool blocks -> the turns the chat template reads. The Messages endpoint,
+named cached contents and the log lint (diagnose/log_reader.py) all take them; the blocks of a
+reply are the server's anthropic/tools.py's.
 
 An assistant message's `tool_use` blocks become its `tool_calls` (arguments written as
 json.dumps writes them, the way structured decoding generates them, so a call the model made
@@ -11,7 +12,7 @@ import json
 from typing import Any
 
 from prefixserve.errors import InvalidRequestError
-from prefixserve.prompt import Part, Turn, parse_cache_control
+from prefixserve.prompt.conversation import Part, Turn, parse_cache_control
 
 TOOL_BLOCKS = ("tool_use", "tool_result")
 
