@@ -90,8 +90,8 @@ def documents() -> dict[str, list[Block]]:
 
 
 def shell_commands(block: Block) -> list[str]:
-    """The block's commands, one logical line each: continuation lines joined, a heredoc kept
-    with its command, comment-only and blank lines dropped; in a console block only `$ ` lines."""
+    """The block's commands, one logical line each: continuation lines and a quote left open
+    across lines joined, a heredoc kept with its command, comment-only and blank lines dropped; in a console block only `$ ` lines."""
     lines = block.code.splitlines()
     if block.lang == "console":
         lines = [line[2:] for line in lines if line.startswith("$ ")]
@@ -101,6 +101,9 @@ def shell_commands(block: Block) -> list[str]:
         while command.endswith("\\") and i + 1 < len(lines):
             i += 1
             command = command[:-1] + " " + lines[i].strip()
+        while not _quotes_closed(command) and i + 1 < len(lines):
+            i += 1
+            command += "\n" + lines[i]
         heredoc = _HEREDOC.search(command.split("#")[0])
         if heredoc:
             while i + 1 < len(lines):
@@ -112,6 +115,15 @@ def shell_commands(block: Block) -> list[str]:
         if command.strip() and not command.lstrip().startswith("#"):
             commands.append(command.replace(".venv/bin/", ""))
     return commands
+
+
+def _quotes_closed(command: str) -> bool:
+    """False while a quoted argument (a JSON body, say) runs on to the next line."""
+    try:
+        shlex.split(command, comments=True)
+    except ValueError:
+        return False
+    return True
 
 
 def serve_argv(command: str) -> Optional[list[str]]:
@@ -260,6 +272,8 @@ prefixserve generate hi --device cuda
   cat > keys.json <<EOF
   {"sk-1": "acme"}
   EOF
+  curl -s localhost:8000/v1/cached_contents -d '{
+    "name": "handbook"}'
   ```
 
 <!-- not-run:   -->
@@ -277,12 +291,13 @@ prefixserve serve --no-such-flag
 def test_the_reader_finds_each_block_its_language_and_its_mark():
     blocks = blocks_of(SAMPLE, "sample.md")
     assert [(b.line, b.lang, b.not_run) for b in blocks] == [
-        (3, "python", None), (8, "bash", "needs a GPU"), (14, "sh", None), (24, "console", ""), (29, "text", None)]
+        (3, "python", None), (8, "bash", "needs a GPU"), (14, "sh", None), (26, "console", ""), (31, "text", None)]
     assert blocks[0].code == "x = 1\n"
     assert shell_commands(blocks[2]) == [
         "prefixserve lint requests.jsonl  --format json   # exit code 0",
         "prefixserve serve random:qwen3-tiny --port 8000 &",
-        'cat > keys.json <<EOF\n{"sk-1": "acme"}\nEOF']
+        'cat > keys.json <<EOF\n{"sk-1": "acme"}\nEOF',
+        'curl -s localhost:8000/v1/cached_contents -d \'{\n  "name": "handbook"}\'']
     assert shell_commands(blocks[3]) == ["prefixserve --version"]
     script, serves = shell_script(blocks[2])
     assert serves == ["prefixserve serve random:qwen3-tiny --port 8000 &"]
