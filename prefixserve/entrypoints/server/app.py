@@ -30,6 +30,9 @@ from prefixserve.entrypoints.server.openai.protocol import (ChatCompletionReques
 from prefixserve.entrypoints.server.prompting.bodies import add_body_schemas, request_body_schema
 from prefixserve.entrypoints.server.prompting.render_pool import RenderPool
 from prefixserve.entrypoints.server.request_log import RequestLog
+from prefixserve.entrypoints.server.responses.create import create_response
+from prefixserve.entrypoints.server.responses.protocol import ResponsesRequest
+from prefixserve.entrypoints.server.responses.stored import delete_response, get_response, list_input_items
 from prefixserve.entrypoints.server.state import ServerState, get_state
 
 logger = logging.getLogger(__name__)
@@ -89,6 +92,10 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
     app.post("/v1/chat/completions", responses=streamed,
              openapi_extra=body(ChatCompletionRequest))(create_chat_completion)
     app.post("/v1/messages", responses=streamed, openapi_extra=body(MessagesRequest))(create_message)
+    app.post("/v1/responses", responses=streamed, openapi_extra=body(ResponsesRequest))(create_response)
+    app.get("/v1/responses/{response_id}")(get_response)
+    app.delete("/v1/responses/{response_id}")(delete_response)
+    app.get("/v1/responses/{response_id}/input_items")(list_input_items)
     app.post("/v1/cached_contents", openapi_extra=body(CachedContentCreate))(create_cached_content)
     app.get("/v1/cached_contents")(list_cached_contents)
     app.get("/v1/cached_contents/{key}")(get_cached_content)
@@ -98,7 +105,8 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
     def openapi_with_bodies() -> dict:
         if app.openapi_schema is None:
             app.openapi_schema = add_body_schemas(openapi(), [CompletionRequest, ChatCompletionRequest,
-                                                              MessagesRequest, CachedContentCreate,
+                                                              MessagesRequest, ResponsesRequest,
+                                                              CachedContentCreate,
                                                               CachedContentUpdate])
         return app.openapi_schema
     app.openapi = openapi_with_bodies
