@@ -41,6 +41,7 @@ def normalize_input(raw: Union[str, list, None], history: list[dict[str, Any]]) 
     for i, item in enumerate(raw):
         where = f"input[{i}]"
         kind = item.get("type", "message" if "role" in item else None)
+        kind = kind if isinstance(kind, str) else None
         if kind == "message":
             items.append(_message(item, where))
         elif kind == "function_call":
@@ -76,7 +77,7 @@ def _parts(content: Any, where: str) -> list[dict[str, Any]]:
     parts = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str) or part["type"] not in TEXT_PARTS:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise bad_request(f"{at}: only input_text and output_text parts are supported, got "
                               f"{str(kind)[:40]!r}", param=f"{at}.type", code="unsupported")
@@ -93,7 +94,7 @@ def _parts(content: Any, where: str) -> list[dict[str, Any]]:
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     role = item.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}, got {str(role)[:40]!r}",
                           param=f"{where}.role")
     parts = _parts(item.get("content"), f"{where}.content")
@@ -117,7 +118,7 @@ def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
     try:
         if not isinstance(json.loads(arguments), dict):
             raise ValueError
-    except ValueError:
+    except (ValueError, RecursionError):
         raise bad_request(f"{where}.arguments must be the JSON text of an object",
                           param=f"{where}.arguments") from None
     return {"id": _given_id(item, where, "fc"), "type": "function_call",
