@@ -208,3 +208,13 @@ def test_another_tenants_response_is_404(two_tenants):
     assert a.responses.retrieve(mine.id).output_text == mine.output_text
     with httpx.Client(base_url=two_tenants.base_url) as raw:
         assert raw.get(f"/v1/responses/{mine.id}").status_code == 401
+
+
+def test_diagnose_against_an_earlier_response_names_it(client):
+    first = client.responses.create(model=MODEL, input="The manual covers caching.", max_output_tokens=2,
+                                     temperature=0)
+    second = client.responses.create(model=MODEL, input="The handbook covers caching.", max_output_tokens=2,
+                                      temperature=0, extra_body={"diagnose_against": first.id})
+    diagnosis = second.model_extra["prefixserve"]["diagnosis"]
+    assert diagnosis["compared_to"] == "resp-" + first.id[len("resp_"):]
+    assert "manual" in diagnosis["earlier_text"] and "handbook" in diagnosis["current_text"]

@@ -25,8 +25,10 @@ from prefixserve.entrypoints.server.prompting.turn_memory import turn_of
 from prefixserve.entrypoints.server.responses.caching import check_cache_fields
 from prefixserve.entrypoints.server.responses.items import (chat_tool_choice, chat_tools_of, conversation_of,
                                                             normalize_input, response_format_of)
+from prefixserve.entrypoints.server.protocol import DiagnoseFields
 from prefixserve.entrypoints.server.responses.objects import (call_item, message_item, output_items,
-                                                              response_id, response_object, text_part)
+                                                              request_id_of, response_id, response_object,
+                                                              text_part)
 from prefixserve.entrypoints.server.responses.protocol import ResponsesRequest
 from prefixserve.entrypoints.server.state import ServerState, get_state, principal
 from prefixserve.entrypoints.server.streaming import ChoiceUpdate
@@ -59,6 +61,8 @@ async def create_response(body: Annotated[ResponsesRequest, Depends(json_body(Re
         state.turns.restore(state.namespace(request, body.cache_salt), previous["turn"]["text"],
                             previous["turn"]["ids"], tenant)
     call = await start(request, _generation_request(body, conversation, tools))
+    if call.raw_body is not None:
+        call.raw_body = _loggable(body, conversation, tools)
     turn = _Turn(call, body, history, items, tenant)
     if body.stream:
         return call.stream(_ResponseFraming(turn))
@@ -70,6 +74,16 @@ async def create_response(body: Annotated[ResponsesRequest, Depends(json_body(Re
     if extension is not None:
         response["prefixserve"] = extension
     return JSONResponse(response, headers=call.warning_headers(output))
+
+
+def _loggable(body: ResponsesRequest, conversation: Conversation, tools: list[dict[str, Any]]) -> bytes:
+    """The request log's body: the chat-completions body this response's prompt renders from (a
+    Responses body is not self-contained: its previous_response_id names a stored history), so
+    `prefixserve lint` reads an agent loop over /v1/responses like one over chat completions."""
+    chat: dict[str, Any] = {"model": body.model, "messages": [t.template_message() for t in conversation.turns]}
+    if tools:
+        chat["tools"] = tools
+    return json.dumps(chat).encode()
 
 
 def _generation_request(body: ResponsesRequest, conversation: Conversation,
@@ -94,8 +108,17 @@ def _generation_request(body: ResponsesRequest, conversation: Conversation,
 
     return GenerationRequest(
         id_prefix="resp", param="input", model=body.model, cache_salt=body.cache_salt,
-        priority=body.priority, diagnose=body, prompt=ChatPrompt(conversation, None), sampling=sampling,
-        renames={"max_tokens": "max_output_tokens"}, tools=build_tools)
+        priority=body.priority, diagnose=_diagnose_fields(body), prompt=ChatPrompt(conversation, None),
+        sampling=sampling, renames={"max_tokens": "max_output_tokens"}, tools=build_tools)
+
+
+def _diagnose_fields(body: ResponsesRequest) -> DiagnoseFields:
+    """The body's diagnosis fields, a response id in diagnose_against read as its request's id."""
+    options = body.prefixserve
+    if options is not None:
+        options = options.model_copy(update={"diagnose_against": request_id_of(options.diagnose_against)})
+    return DiagnoseFields(diagnose=body.diagnose, diagnose_against=request_id_of(body.diagnose_against),
+                          prefixserve=options)
 
 
 class _Turn:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
+from prefixserve.entrypoints.server.response_store import RESPONSE_ID
 from prefixserve.entrypoints.server.responses.items import item_id
 from prefixserve.entrypoints.server.responses.protocol import ResponsesRequest
 from prefixserve.entrypoints.server.tools import ChatTools
@@ -15,6 +16,11 @@ from prefixserve.tools import parse_tool_calls
 def response_id(request_id: str) -> str:
     """The response id of a generation request id ("resp-<hex>" -> "resp_<hex>", OpenAI's spelling)."""
     return "resp_" + request_id.split("-", 1)[1]
+
+
+def request_id_of(rid: Optional[str]) -> Optional[str]:
+    """The generation request id of a response id (for diagnose_against); any other id as it is."""
+    return "resp-" + rid[len("resp_"):] if rid is not None and RESPONSE_ID.fullmatch(rid) else rid
 
 
 def message_item(text: str, status: str = "completed") -> dict[str, Any]:
