@@ -155,9 +155,12 @@ BAD_BODIES = [
     ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format.schema"),
     ({"input": "hi", "max_output_tokens": -1}, 400, "max_output_tokens"),
+    ({"input": "hi", "max_output_tokens": ENGINE["max_model_len"]}, 400, "max_output_tokens"),
+    ({"input": "hi " * ENGINE["max_model_len"]}, 400, "input"),
     ({"input": "hi", "temprature": 0.5}, 400, "temprature"),
     ({"input": "hi", "background": True}, 400, "background"),
     ({"input": []}, 400, "input"),
+    ({"input": [{"role": "user", "content": "hi"}] * 3000}, 400, "input"),
     ({}, 400, "input"),
     ({"input": "hi", "prompt_cache_retention": "forever"}, 400, "prompt_cache_retention"),
 ]
@@ -218,3 +221,17 @@ def test_diagnose_against_an_earlier_response_names_it(client):
     diagnosis = second.model_extra["prefixserve"]["diagnosis"]
     assert diagnosis["compared_to"] == "resp-" + first.id[len("resp_"):]
     assert "manual" in diagnosis["earlier_text"] and "handbook" in diagnosis["current_text"]
+
+
+def test_an_explicit_breakpoint_pins_the_prefix_up_to_it(client):
+    manual = "The block manager hands out pages of sixteen tokens and takes them back. " * 12
+    part = {"type": "input_text", "text": manual, "prompt_cache_breakpoint": {"mode": "explicit"}}
+    ask = dict(model=MODEL, max_output_tokens=2, temperature=0, store=False)
+    first = client.responses.create(**ask, input=[{"role": "user", "content": [
+        part, {"type": "input_text", "text": "First question?"}]}])
+    written = first.usage.input_tokens_details.cache_write_tokens
+    assert written > 0 and written % BS == 0
+    second = client.responses.create(**ask, input=[{"role": "user", "content": [
+        part, {"type": "input_text", "text": "Another question entirely?"}]}])
+    assert second.usage.input_tokens_details.cached_tokens >= written
+    assert second.usage.input_tokens_details.cache_write_tokens == 0

@@ -18,7 +18,7 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixserve.engine.outputs import RequestOutput
-from prefixserve.entrypoints.server.errors import APIError
+from prefixserve.entrypoints.server.errors import APIError, bad_request
 from prefixserve.entrypoints.server.pipeline import Call, ChatPrompt, Finished, GenerationRequest, start
 from prefixserve.entrypoints.server.prompting.bodies import json_body
 from prefixserve.entrypoints.server.prompting.turn_memory import turn_of
@@ -55,12 +55,22 @@ async def create_response(body: Annotated[ResponsesRequest, Depends(json_body(Re
                            param="previous_response_id", code="previous_response_not_found")
         history = previous["history"]
     items = normalize_input(body.input, history)
+    if len(history) + len(items) > state.config.max_messages:
+        raise bad_request(f"{len(history)} stored and {len(items)} new items; this server takes at most "
+                          f"{state.config.max_messages} per request", param="input", code="too_many_messages")
     tools = chat_tools_of(body.tools)
     conversation = conversation_of(body.instructions, history + items, tools)
     if previous is not None and previous["turn"] is not None:
         state.turns.restore(state.namespace(request, body.cache_salt), previous["turn"]["text"],
                             previous["turn"]["ids"], tenant)
-    call = await start(request, _generation_request(body, conversation, tools))
+    try:
+        call = await start(request, _generation_request(body, conversation, tools))
+    except (APIError, InvalidRequestError) as exc:
+        if exc.param == "messages":  # the rendered conversation refused: here it is `input`
+            exc.param = "input"
+            if exc.message.startswith("messages "):
+                exc.message = "input" + exc.message[len("messages"):]
+        raise
     if call.raw_body is not None:
         call.raw_body = _loggable(body, conversation, tools)
     turn = _Turn(call, body, history, items, tenant)
