@@ -52,16 +52,16 @@ def test_agent_loop_through_previous_response_id_hits_every_earlier_turn(server,
         assert len(calls) == 1
         assert_valid_call(calls[0].name, calls[0].arguments)
         usage = r.usage
-        table.append((turn + 1, usage.input_tokens, usage.input_tokens_details.cached_tokens))
-        if previous is not None:
-            assert usage.input_tokens_details.cached_tokens >= covered(*previous), table
+        bound = covered(*previous) if previous is not None else 0
+        table.append((turn + 1, usage.input_tokens, usage.input_tokens_details.cached_tokens, bound))
+        assert usage.input_tokens_details.cached_tokens >= bound, table
         previous = (usage.input_tokens, usage.output_tokens)
         if turn == TURNS - 1:
             break
         result = {"turn": turn, "tool": calls[0].name, "value": 17.5 + turn}
         r = _turn(client, turn + 1, previous_response_id=r.id,
                   input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": json.dumps(result)}])
-    print("turn, prompt tokens, cached tokens:", table)
+    print("turn, prompt tokens, cached tokens, the previous turn's full blocks:", table)
     # the last response holds the whole conversation: 1 user message, then a call and its output a turn
     items = client.responses.input_items.list(r.id, order="asc", limit=100).data
     assert [i.type for i in items] == ["message"] + ["function_call", "function_call_output"] * (TURNS - 1)
