@@ -1,15 +1,16 @@
-"""Stored responses survive a restart: a server keeping them in a folder (file://) is stopped and
-a new one started on the same folder (and on the same file:// KV store, so earlier turns' blocks
-are there to hit). previous_response_id still continues the conversation, and its prompt is the
-previous turn's tokens exactly: the new server has never seen the turn, yet the cache (which only
-hits identical token ids) covers every full block of the previous prompt and output. The same
-conversation sent as plain items, re-tokenized from text, does not get there: the exact tokens
-came from the store."""
+"""Stored responses survive a restart: a server keeping them in a folder (file://) or in Redis
+(redis://, as replicas share them) is stopped and a new one started on the same store (and on the
+same KV store, so earlier turns' blocks are there to hit). previous_response_id still continues
+the conversation, and its prompt is the previous turn's tokens exactly: the new server has never
+seen the turn, yet the cache (which only hits identical token ids) covers every full block of the
+previous prompt and output. The same conversation sent as plain items, re-tokenized from text,
+does not get there: the exact tokens came from the store."""
 from __future__ import annotations
 
 import json
 
 import openai
+import pytest
 from live_server import ENGINE, MODEL, LiveServer
 from tool_fixtures import TOOLS
 
@@ -23,9 +24,19 @@ ASK = dict(model=MODEL, instructions="You are a travel agent; call one tool per 
            tool_choice="required", parallel_tool_calls=False, max_output_tokens=200, temperature=1.0)
 
 
-def serve(tmp_path) -> LiveServer:
-    engine = EngineConfig(**ENGINE, kv_stores=[f"file://{tmp_path}/kv"], kv_store_write="through")
-    return LiveServer(build_app(LLMEngine(engine), ServerConfig(response_store=f"file://{tmp_path}/responses")))
+@pytest.fixture(params=["file", "redis"])
+def stores(request, tmp_path) -> tuple[str, str]:
+    """(KV store URL, response store URL)."""
+    if request.param == "file":
+        return f"file://{tmp_path}/kv", f"file://{tmp_path}/responses"
+    url = request.getfixturevalue("redis_server").url
+    return url, url
+
+
+def serve(stores: tuple[str, str]) -> LiveServer:
+    kv, responses = stores
+    engine = EngineConfig(**ENGINE, kv_stores=[kv], kv_store_write="through")
+    return LiveServer(build_app(LLMEngine(engine), ServerConfig(response_store=responses)))
 
 
 def client_of(live: LiveServer) -> openai.OpenAI:
@@ -37,8 +48,8 @@ def answer(response, turn: int) -> dict:
     return {"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"turn": turn, "c": 21})}
 
 
-def test_a_restarted_server_continues_a_stored_response_token_for_token(tmp_path):
-    with serve(tmp_path) as live:
+def test_a_restarted_server_continues_a_stored_response_token_for_token(stores):
+    with serve(stores) as live:
         client = client_of(live)
         first = client.responses.create(**ASK, input="Weather in Paris and Oslo?", extra_body={"seed": 1})
         second = client.responses.create(**ASK, previous_response_id=first.id, input=[answer(first, 1)],
@@ -46,7 +57,7 @@ def test_a_restarted_server_continues_a_stored_response_token_for_token(tmp_path
     assert first.status == second.status == "completed"
     bound = (second.usage.input_tokens + second.usage.output_tokens - 1) // BS * BS
 
-    with serve(tmp_path) as live:
+    with serve(stores) as live:
         client = client_of(live)
         kept = client.responses.retrieve(second.id)
         assert kept.output[0].model_dump() == second.output[0].model_dump()
