@@ -130,6 +130,8 @@ def test_retrieve_list_input_items_and_delete(client):
     oldest_first = client.responses.input_items.list(second.id, order="asc", limit=2)
     assert [i.id for i in oldest_first.data] == [i.id for i in newest_first[::-1][:2]]
     assert oldest_first.has_more
+    # the client pages on by `after` until has_more is false
+    assert [i.id for i in client.responses.input_items.list(second.id, limit=1)] == [i.id for i in newest_first]
     client.responses.delete(second.id)
     for gone in (lambda: client.responses.retrieve(second.id),
                  lambda: client.responses.create(model=MODEL, previous_response_id=second.id, input="more")):
