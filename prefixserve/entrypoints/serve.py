@@ -76,6 +76,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--request-log-max-bytes", type=byte_size, default=ServerConfig.request_log_max_bytes,
                    metavar="SIZE", help="the request log moves to PATH.1 (replacing it) before it grows past "
                                         "this: bytes, or with a unit (64MiB) (default: %(default)s)")
+    g.add_argument("--response-store", default=None, metavar="URL",
+                   help="where /v1/responses keeps stored responses for previous_response_id: mem:// (this "
+                        "process), file:///dir or redis://host:6379/0 (kept across restarts, shared by "
+                        "replicas) (default: mem://)")
+    g.add_argument("--response-store-ttl", type=float, default=ServerConfig.response_store_ttl_s,
+                   metavar="SECONDS", help="a stored response expires this long after it was stored "
+                                           "(default: %(default)s, 30 days)")
+    g.add_argument("--response-store-max-responses", type=int,
+                   default=ServerConfig.response_store_max_responses, metavar="N",
+                   help="most stored responses per tenant; past it the tenant's oldest go (default: %(default)s)")
+    g.add_argument("--response-store-max-bytes", type=byte_size, default=ServerConfig.response_store_max_bytes,
+                   metavar="SIZE", help="most bytes of stored responses per tenant: bytes, or with a unit "
+                                        "(256MiB); past it the tenant's oldest go (default: %(default)s)")
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"), help="least severe log lines shown")
     add_replica_args(p)
@@ -120,7 +133,11 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
                         offload_body_bytes=args.offload_body_bytes,
                         request_log=args.request_log,
-                        request_log_max_bytes=args.request_log_max_bytes)
+                        request_log_max_bytes=args.request_log_max_bytes,
+                        response_store=args.response_store,
+                        response_store_ttl_s=args.response_store_ttl,
+                        response_store_max_responses=args.response_store_max_responses,
+                        response_store_max_bytes=args.response_store_max_bytes)
 
 
 def tenant_pin_share(total: float, asked: Optional[float], keys: Optional[KeyTable]) -> Optional[float]:

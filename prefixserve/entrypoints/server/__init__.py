@@ -5,8 +5,10 @@ Where to look:
     config.py           ServerConfig
     pipeline.py         one generation request, whichever API: auth -> parse -> render -> submit
                         -> stream or collect -> usage
-    openai/             the OpenAI dialect: /v1/chat/completions, /v1/completions, their bodies
-    anthropic/          the Anthropic dialect: /v1/messages and its body
+    openai/             the OpenAI dialect: /v1/chat/completions, /v1/completions, their bodies,
+                        and vLLM's /tokenize, /detokenize
+    anthropic/          the Anthropic dialect: /v1/messages, /v1/messages/count_tokens, their bodies
+    responses/          OpenAI's Responses API: /v1/responses (create, retrieve, delete, input items)
     cached_contents.py  the /v1/cached_contents routes
     --- shared by the above; never importing a dialect (tests/entrypoints/server/test_server_layers.py)
     streaming.py        the one stream loop and server-sent events
@@ -19,6 +21,7 @@ Where to look:
     usage.py            token usage and prompt-cache accounting
     diagnosis.py        live cache-miss diagnosis in responses
     state.py            what every endpoint shares (engine front, settings, the render process)
+    response_store.py   stored responses per tenant (mem://, file://, redis://), bounded, expiring
     errors.py           the one mapping from prefixserve.errors to HTTP statuses and error bodies
     metrics.py          Prometheus metrics
     gate.py, auth.py    API keys, tenants and the body-size bound, before a body is parsed

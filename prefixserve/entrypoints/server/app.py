@@ -13,8 +13,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prefixserve.diagnose.live import MissExplainer
 from prefixserve.engine import AsyncLLM, EngineClient, LLMEngine
+from prefixserve.entrypoints.server.anthropic.count_tokens import count_tokens
 from prefixserve.entrypoints.server.anthropic.messages import create_message
-from prefixserve.entrypoints.server.anthropic.protocol import MessagesRequest
+from prefixserve.entrypoints.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from prefixserve.entrypoints.server.cached_contents import (CachedContentCreate, CachedContentUpdate,
                                                             create_cached_content, delete_cached_content,
                                                             get_cached_content, list_cached_contents,
@@ -25,11 +26,16 @@ from prefixserve.entrypoints.server.gate import Gate
 from prefixserve.entrypoints.server.metrics import ServerMetrics
 from prefixserve.entrypoints.server.openai.chat import create_chat_completion
 from prefixserve.entrypoints.server.openai.completions import create_completion
-from prefixserve.entrypoints.server.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
-                                                            ModelList)
+from prefixserve.entrypoints.server.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                            DetokenizeRequest, ModelCard, ModelList,
+                                                            TokenizeRequest)
+from prefixserve.entrypoints.server.openai.tokenize import detokenize, tokenize
 from prefixserve.entrypoints.server.prompting.bodies import add_body_schemas, request_body_schema
 from prefixserve.entrypoints.server.prompting.render_pool import RenderPool
 from prefixserve.entrypoints.server.request_log import RequestLog
+from prefixserve.entrypoints.server.responses.create import create_response
+from prefixserve.entrypoints.server.responses.protocol import ResponsesRequest
+from prefixserve.entrypoints.server.responses.stored import delete_response, get_response, list_input_items
 from prefixserve.entrypoints.server.state import ServerState, get_state
 
 logger = logging.getLogger(__name__)
@@ -89,6 +95,13 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
     app.post("/v1/chat/completions", responses=streamed,
              openapi_extra=body(ChatCompletionRequest))(create_chat_completion)
     app.post("/v1/messages", responses=streamed, openapi_extra=body(MessagesRequest))(create_message)
+    app.post("/v1/messages/count_tokens", openapi_extra=body(CountTokensRequest))(count_tokens)
+    app.post("/tokenize", openapi_extra=body(TokenizeRequest))(tokenize)
+    app.post("/detokenize", openapi_extra=body(DetokenizeRequest))(detokenize)
+    app.post("/v1/responses", responses=streamed, openapi_extra=body(ResponsesRequest))(create_response)
+    app.get("/v1/responses/{response_id}")(get_response)
+    app.delete("/v1/responses/{response_id}")(delete_response)
+    app.get("/v1/responses/{response_id}/input_items")(list_input_items)
     app.post("/v1/cached_contents", openapi_extra=body(CachedContentCreate))(create_cached_content)
     app.get("/v1/cached_contents")(list_cached_contents)
     app.get("/v1/cached_contents/{key}")(get_cached_content)
@@ -98,7 +111,9 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
     def openapi_with_bodies() -> dict:
         if app.openapi_schema is None:
             app.openapi_schema = add_body_schemas(openapi(), [CompletionRequest, ChatCompletionRequest,
-                                                              MessagesRequest, CachedContentCreate,
+                                                              MessagesRequest, ResponsesRequest,
+                                                              CountTokensRequest, TokenizeRequest,
+                                                              DetokenizeRequest, CachedContentCreate,
                                                               CachedContentUpdate])
         return app.openapi_schema
     app.openapi = openapi_with_bodies

@@ -49,6 +49,13 @@ class ServerConfig:
     # (request_log.py); None: no log. It rotates to PATH.1 before passing request_log_max_bytes.
     request_log: Optional[str] = None
     request_log_max_bytes: int = 64 * 2**20
+    # Where /v1/responses keeps stored responses (response_store.py): mem:// (None), file:///dir or
+    # redis://host:port/db; each tenant holds at most so many responses and bytes, each response
+    # for ttl seconds.
+    response_store: Optional[str] = None
+    response_store_ttl_s: float = 30 * 86400.0
+    response_store_max_responses: int = 10_000
+    response_store_max_bytes: int = 256 * 2**20
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -68,9 +75,11 @@ class ServerConfig:
         _positive("max_messages", self.max_messages)
         _positive("offload_body_bytes", self.offload_body_bytes)
         _positive("request_log_max_bytes", self.request_log_max_bytes)
+        _positive("response_store_max_responses", self.response_store_max_responses)
+        _positive("response_store_max_bytes", self.response_store_max_bytes)
         if self.request_log is not None and (not isinstance(self.request_log, str) or not self.request_log):
             raise ValueError(f"request_log must be a non-empty path or None, got {self.request_log!r}")
-        for name in ("max_cache_ttl_s", "render_timeout_s"):
+        for name in ("max_cache_ttl_s", "render_timeout_s", "response_store_ttl_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a positive finite number, got {value!r}")

@@ -18,6 +18,7 @@ from prefixserve.entrypoints.server.metrics import ServerMetrics
 from prefixserve.entrypoints.server.prompting.render_pool import RenderPool
 from prefixserve.entrypoints.server.prompting.turn_memory import TurnMemory
 from prefixserve.entrypoints.server.request_log import RequestLog
+from prefixserve.entrypoints.server.response_store import ResponseStore, StoreBounds
 
 
 MAX_SALT_CHARS = 256
@@ -39,6 +40,14 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     # Every finished generation request, for `prefixserve lint` (None: --request-log not given).
     request_log: Optional[RequestLog] = None
+    # Stored /v1/responses responses (None: the default, in this process's memory).
+    responses: Optional[ResponseStore] = None
+
+    def __post_init__(self) -> None:
+        if self.responses is None:
+            c = self.config
+            self.responses = ResponseStore.open(c.response_store, StoreBounds(
+                c.response_store_ttl_s, c.response_store_max_responses, c.response_store_max_bytes))
 
     def check_model(self, model: Optional[str]) -> None:
         """A request may name the served name or the model as the server was started on

@@ -2,8 +2,8 @@
 
 Every module under prefixserve/entrypoints/server is parsed and every import in it, at module
 level or inside a function, relative ones resolved (import_graph.py), is
-checked. A room is a subpackage (openai/, anthropic/, prompting/) or a top-level module
-(pipeline.py, state.py, ...). The dialects (openai/, anthropic/) may use any shared room but
+checked. A room is a subpackage (openai/, anthropic/, responses/, prompting/) or a top-level module
+(pipeline.py, state.py, ...). The dialects (openai/, anthropic/, responses/) may use any shared room but
 never each other; no shared room may import a dialect (only app.py, which mounts their routes);
 and no two rooms may reach each other through their imports (no circle).
 """
@@ -13,7 +13,7 @@ from import_graph import ROOT, imported_names
 
 SERVER = ROOT / "entrypoints" / "server"
 PACKAGE = "prefixserve.entrypoints.server"
-DIALECTS = ("openai", "anthropic")
+DIALECTS = ("openai", "anthropic", "responses")
 MOUNTS_ROUTES = "app"
 
 

@@ -74,3 +74,22 @@ class MessagesRequest(DiagnoseFields):
     priority: int = 0
     cache_salt: Optional[str] = None
     cached_content: Optional[str] = None
+
+
+class CountTokensRequest(DiagnoseFields):
+    """POST /v1/messages/count_tokens: what a Messages request's prompt is made of, without
+    max_tokens or sampling (diagnose fields are accepted and change nothing here)."""
+    unsupported: ClassVar[dict[str, Unsupported]] = {
+        "thinking": MessagesRequest.unsupported["thinking"],
+        "mcp_servers": MessagesRequest.unsupported["mcp_servers"],
+        "output_config": MessagesRequest.unsupported["output_config"],
+    }
+    field_keys: ClassVar[dict[str, Shape]] = MessagesRequest.field_keys
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: Union[str, list[ContentBlock], None] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[dict[str, Any]] = None
+    cache_control: Optional[dict[str, Any]] = None
+    cache_salt: Optional[str] = None
+    cached_content: Optional[str] = None

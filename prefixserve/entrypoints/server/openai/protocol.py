@@ -180,6 +180,32 @@ class ChatCompletionRequest(_GenerationRequest):
     verbosity: Optional[str] = None
 
 
+class TokenizeRequest(StrictModel):
+    """POST /tokenize, vLLM's shape: a `prompt` (text) or chat `messages` (with their tools),
+    tokenized as /v1/completions or /v1/chat/completions would."""
+    unsupported: ClassVar[dict[str, Unsupported]] = {
+        "continue_final_message": Unsupported("the final message is always closed", lambda v: v in (None, False)),
+        "mm_processor_kwargs": Unsupported("prompts are text only"),
+    }
+    field_keys: ClassVar[dict[str, Shape]] = {"tools": ChatCompletionRequest.field_keys["tools"]}
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
+    tools: Optional[list[dict[str, Any]]] = None
+    add_generation_prompt: bool = True
+    # None: True for a prompt (as /v1/completions), False for messages (the template writes them)
+    add_special_tokens: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: bool = False
+    cache_salt: Optional[str] = None
+
+
+class DetokenizeRequest(StrictModel):
+    """POST /detokenize, vLLM's shape."""
+    model: Optional[str] = None
+    tokens: list[int]
+
+
 # ------------------------------------------------------------------ responses
 class PromptTokensDetails(BaseModel):
     # Prompt tokens read from the prefix cache.

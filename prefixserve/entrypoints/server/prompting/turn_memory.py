@@ -27,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from prefixserve.engine.outputs import RequestOutput
+from prefixserve.engine.outputs import CompletionOutput, RequestOutput
 from prefixserve.entrypoints.server.prompting.render_pool import RenderedChat
 
 MAX_TURNS = 2048
@@ -54,25 +54,29 @@ class TurnMemory:
                  output: RequestOutput, tokenizer, tenant: Optional[str] = None) -> None:
         """Records each sample that ended on an end-of-turn token, as tenant's."""
         for c in output.outputs:
-            if c.finish_reason != "stop" or not c.token_ids or c.token_ids[-1] not in tokenizer.eos_token_ids:
-                continue
-            ids = array("i", prompt_ids)   # 4 bytes an id (vocabularies are far below 2**31)
-            ids.extend(c.token_ids[:-1])
-            if len(ids) > self.max_tokens:
-                continue
-            text = prompt_text + tokenizer.decode(c.token_ids[:-1], skip_special_tokens=False)
-            key = (namespace, _digest(text))
-            self._drop(key)
-            self._turns[key] = (ids, tenant)
-            self._lru.setdefault(tenant, OrderedDict())[key] = None
-            self._tokens_of[tenant] = self._tokens_of.get(tenant, 0) + len(ids)
-            self._tokens += len(ids)
-            while len(self._turns) > self.max_turns or self._tokens > self.max_tokens:
-                if len(self._turns) > self.max_turns:
-                    victim = max(self._lru, key=lambda t: len(self._lru[t]))
-                else:
-                    victim = max(self._tokens_of, key=self._tokens_of.__getitem__)
-                self._drop(next(iter(self._lru[victim])))
+            turn = turn_of(prompt_text, prompt_ids, c, tokenizer)
+            if turn is not None:
+                self.restore(namespace, *turn, tenant)
+
+    def restore(self, namespace: Optional[str], text: str, ids: Sequence[int],
+                tenant: Optional[str] = None) -> None:
+        """Records one finished turn: its text and the token ids it was generated as (a stored
+        response's turn, kept elsewhere across restarts, comes back through here)."""
+        ids = array("i", ids)   # 4 bytes an id (vocabularies are far below 2**31)
+        if len(ids) > self.max_tokens:
+            return
+        key = (namespace, _digest(text))
+        self._drop(key)
+        self._turns[key] = (ids, tenant)
+        self._lru.setdefault(tenant, OrderedDict())[key] = None
+        self._tokens_of[tenant] = self._tokens_of.get(tenant, 0) + len(ids)
+        self._tokens += len(ids)
+        while len(self._turns) > self.max_turns or self._tokens > self.max_tokens:
+            if len(self._turns) > self.max_turns:
+                victim = max(self._lru, key=lambda t: len(self._lru[t]))
+            else:
+                victim = max(self._tokens_of, key=self._tokens_of.__getitem__)
+            self._drop(next(iter(self._lru[victim])))
 
     def _drop(self, key: tuple) -> None:
         entry = self._turns.pop(key, None)
@@ -128,6 +132,17 @@ class TurnMemory:
                 return None
             moved.append(n + shift if n >= k else n)
         return list(stored) + token_ids[k:], moved
+
+
+def turn_of(prompt_text: str, prompt_ids: Sequence[int], completion: CompletionOutput,
+            tokenizer) -> Optional[tuple[str, list[int]]]:
+    """(text, token ids) of a finished turn, up to the end-of-turn token its sample ended on;
+    None when it ended otherwise (nothing to continue exactly)."""
+    ids = completion.token_ids
+    if completion.finish_reason != "stop" or not ids or ids[-1] not in tokenizer.eos_token_ids:
+        return None
+    text = prompt_text + tokenizer.decode(ids[:-1], skip_special_tokens=False)
+    return text, [*prompt_ids, *ids[:-1]]
 
 
 def _digest(text: str) -> str:
