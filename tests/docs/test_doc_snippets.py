@@ -91,7 +91,8 @@ def documents() -> dict[str, list[Block]]:
 
 def shell_commands(block: Block) -> list[str]:
     """The block's commands, one logical line each: continuation lines and a quote left open
-    across lines joined, a heredoc kept with its command, comment-only and blank lines dropped; in a console block only `$ ` lines."""
+    across lines joined, a heredoc kept with its command, comment-only and blank lines
+    dropped; in a console block only `$ ` lines."""
     lines = block.code.splitlines()
     if block.lang == "console":
         lines = [line[2:] for line in lines if line.startswith("$ ")]
