@@ -64,7 +64,8 @@ class CacheControl:
                     self.kv.expire_pins()
                     self.contents.check_new(pin.content)
                 info = self.kv.pin_prefix(group.prompt_token_ids, cache_salt=group.cache_salt,
-                                          num_tokens=pin.num_tokens, ttl_s=pin.ttl_s, tenant=pin.tenant)
+                                          num_tokens=pin.num_tokens, ttl_s=pin.ttl_s, tenant=pin.tenant,
+                                          exact=pin.exact)
                 if pin.content is not None and info.pin_id is not None:
                     pin.content.pin_id = info.pin_id
                     self.contents.add(pin.content)
