@@ -223,6 +223,15 @@ class KVCacheManager:
             self._register(req, new_full_tokens)
         return Allocation(new_ids, copies)
 
+    def cache_reached_breakpoints(self, request_id: str) -> None:
+        """Caches now the partial blocks of the request's breakpoints that its last allocation
+        reached, instead of at its next allocation or its free. Only once that allocation's
+        forward has run: the engine calls it before placing the request's pins, so a pin at a
+        breakpoint that ends the prompt finds its partial block."""
+        req = self._requests.get(request_id)
+        if req is not None and req.pending and req.pending[0][0] <= req.allocated_end:
+            self._register_due(req, req.allocated_end)
+
     def _register_due(self, req: RequestBlocks, computed: int) -> None:
         """Caches the partial blocks of the request's breakpoints whose K/V is written (at most
         `computed` tokens); a block holding several is cached for the furthest one."""

@@ -34,7 +34,7 @@ def engines():
     return make_engine(True), make_engine(False)
 
 
-@pytest.mark.parametrize("t", [1, 7, 15, 17, 33, 46, 59])
+@pytest.mark.parametrize("t", [1, 7, 15, 17, 33, 46, 59, 60])   # 60: the whole prompt
 def test_a_hit_at_an_exact_breakpoint_covers_it_to_the_token(engines, t):
     on, off = engines
     on.reset_prefix_cache()
