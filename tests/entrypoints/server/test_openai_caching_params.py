@@ -162,6 +162,23 @@ def test_bad_values_are_a_400_naming_the_field(http, change, param):
     assert ok.status_code == 200
 
 
+def test_completions_take_the_key_and_the_mode(http, tokenizer):
+    """A text prompt has no marks: explicit mode writes nothing of it, implicit caches it."""
+    prompt = text(40, 120)
+    n = len(tokenizer.encode(prompt))
+
+    def cached(**fields) -> int:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                                "prompt_cache_key": "batch-7", **fields})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert [cached(prompt_cache_options={"mode": "explicit"}) for _ in range(2)] == [0, 0]
+    assert [cached(), cached()] == [0, (n - 1) // BS * BS]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "prompt_cache_retention": "1d"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_cache_retention"
+
+
 def test_the_clients_typed_fields_are_accepted(client):
     r = client.chat.completions.create(
         model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "hi"}],

@@ -95,8 +95,13 @@ class CompletionRequest(_GenerationRequest):
     best_of: Optional[int] = None
     # as on chat completions (one parser: tools.py response_format_of)
     response_format: Optional[dict[str, Any]] = None
+    # OpenAI's caching fields as on chat completions (prompt_cache_fields.py); a text prompt has
+    # no marks, so explicit mode writes nothing and retention has nothing to pin
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
+    prompt_cache_retention: Optional[str] = None
     field_keys: ClassVar[dict[str, Shape]] = {
-        "response_format": RESPONSE_FORMAT_KEYS}
+        "response_format": RESPONSE_FORMAT_KEYS, "prompt_cache_options": OPTIONS_KEYS}
 
 
 FUNCTION_KEYS: Shape = {"name": None, "arguments": None}
