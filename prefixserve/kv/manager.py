@@ -19,8 +19,8 @@ from prefixserve.kv.eviction import make_policy
 from prefixserve.kv.hashing import (BlockHash, BlockHasher, HashFn, encode_extra_keys,
                                     request_extra_keys, token_bytes)
 from prefixserve.kv.integrity import check_integrity
-from prefixserve.kv.partial_blocks import (find_partial, is_partial, pending_breakpoints,
-                                           register_partial)
+from prefixserve.kv.partial_blocks import (PartialEntry, find_partial, is_partial,
+                                           partial_entry, pending_breakpoints)
 from prefixserve.kv.pins import PinInfo, PinRegistry
 from prefixserve.kv.request_blocks import RequestBlocks
 from prefixserve.kv.stats import KVCacheCounters, KVCacheStats
@@ -150,6 +150,7 @@ class KVCacheManager:
         req = self._requests.get(request_id)
         cow: list[int] = []
         reclaimed = 0
+        due: tuple[int, list[PartialEntry]] = (0, [])
         if req is None:
             hit_ids = hit.block_ids if hit is not None else []
             hit_tokens = hit.num_tokens if hit is not None else 0
@@ -174,13 +175,15 @@ class KVCacheManager:
                     f"request {request_id!r}: num_computed_tokens ({num_computed_tokens}) is "
                     f"beyond its {have} blocks")
             if req.pending and req.pending[0][0] <= num_computed_tokens:
-                self._register_due(req, num_computed_tokens)
+                due = self._due_partials(req, num_computed_tokens)
         if num_new_tokens:
             # Blocks this call writes into that another holder still reads, or that the cache
-            # keeps as a breakpoint's partial block: copy first.
+            # keeps (or is about to keep) as a breakpoint's partial block: copy first.
+            caching = {entry[0] for entry in due[1]}
             last = min(have, (end - 1) // bs + 1)
             cow = [j for j in range(num_computed_tokens // bs, last)
-                   if blocks[table[j]].ref > 1 or blocks[table[j]].hash is not None]
+                   if blocks[table[j]].ref > 1 or blocks[table[j]].hash is not None
+                   or table[j] in caching]
         grow = max(0, -(-end // bs) - have)
         if grow + len(cow) > pool.num_available - reclaimed:
             return None
@@ -196,6 +199,8 @@ class KVCacheManager:
                            if self.enable_prefix_caching and num_full > hashed else None)
 
         # Commit: nothing below can fail.
+        if due[0]:
+            self._cache_partials(req, due)
         if req is None:
             req = RequestBlocks(list(hit_ids), extras_first, extras_rest, priority)
             self._requests[request_id] = req
@@ -230,22 +235,34 @@ class KVCacheManager:
         breakpoint that ends the prompt finds its partial block."""
         req = self._requests.get(request_id)
         if req is not None and req.pending and req.pending[0][0] <= req.allocated_end:
-            self._register_due(req, req.allocated_end)
+            self._cache_partials(req, self._due_partials(req, req.allocated_end))
 
-    def _register_due(self, req: RequestBlocks, computed: int) -> None:
-        """Caches the partial blocks of the request's breakpoints whose K/V is written (at most
-        `computed` tokens); a block holding several is cached for the furthest one."""
+    def _due_partials(self, req: RequestBlocks, computed: int) -> tuple[int, list[PartialEntry]]:
+        """(how many of the request's pending breakpoints have their K/V written, at most
+        `computed` tokens; the partial blocks to cache for them). A block holding several is
+        cached for the furthest one. Changes nothing."""
         pending = req.pending
-        due = 0
-        while due < len(pending) and pending[due][0] <= computed:
-            due += 1
+        count = 0
+        while count < len(pending) and pending[count][0] <= computed:
+            count += 1
         bs = self.block_size
-        for k in range(due):
+        entries = []
+        for k in range(count):
             t, tokens = pending[k]
-            if k + 1 < due and pending[k + 1][0] // bs == t // bs:
+            if k + 1 < count and pending[k + 1][0] // bs == t // bs:
                 continue
-            register_partial(self._pool, self.hasher, req, t, tokens, bs)
-        del pending[:due]
+            entry = partial_entry(self._pool, self.hasher, req, t, tokens, bs)
+            if entry is not None:
+                entries.append(entry)
+        return count, entries
+
+    def _cache_partials(self, req: Optional[RequestBlocks],
+                        due: tuple[int, list[PartialEntry]]) -> None:
+        count, entries = due
+        for entry in entries:
+            self._pool.register(*entry)
+        if req is not None:
+            del req.pending[:count]
 
     def _check_hit(self, request_id: str, hit: PrefixHit) -> None:
         blocks = self._pool.blocks
@@ -374,7 +391,7 @@ class KVCacheManager:
         req = self._requests.pop(request_id, None)
         if req is not None:
             if req.pending and req.pending[0][0] <= req.allocated_end:
-                self._register_due(req, req.allocated_end)
+                self._cache_partials(req, self._due_partials(req, req.allocated_end))
             # Tail first: under LRU a chain's tail is evicted before its head, which other
             # prompts are likelier to share.
             self._pool.release(reversed(req.table))

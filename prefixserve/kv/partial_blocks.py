@@ -56,27 +56,31 @@ def find_partial(pool: BlockPool, hasher: BlockHasher, ids: list[int], tokens: b
     return found
 
 
-def register_partial(pool: BlockPool, hasher: BlockHasher, req: RequestBlocks, t: int,
-                     tokens: bytes, block_size: int) -> None:
-    """Caches the request's block holding position t - 1 as the partial block of the prefix of
-    t tokens, when the full blocks before it are in the index as this request's chain and no
-    equal block is cached already. The caller knows the K/V of the first t tokens is written."""
+PartialEntry = tuple  # the arguments of BlockPool.register for one partial block
+
+
+def partial_entry(pool: BlockPool, hasher: BlockHasher, req: RequestBlocks, t: int,
+                  tokens: bytes, block_size: int) -> Optional[PartialEntry]:
+    """How to cache the request's block holding position t - 1 as the partial block of the
+    prefix of t tokens (None: it cannot be), when the full blocks before it are in the index as
+    this request's chain and no equal block is cached already. Changes nothing: the caller
+    registers it (pool.register(*entry)) once it knows the K/V of the first t tokens is written."""
     q = t // block_size
     if len(req.hashes) < q or q >= len(req.table):
-        return   # the chain before it was not registered (caching off, an explicit write limit)
+        return None   # the chain before it was not registered (caching off, a write limit)
     blocks = pool.blocks
     block_id = req.table[q]
     if blocks[block_id].hash is not None:
-        return
+        return None
     if q:
         link, link_gen = req.canon[q - 1], req.canon_gen[q - 1]
         if link == NO_PARENT or blocks[link].gen != link_gen:
-            return   # the chain above was evicted or cut: no lookup could reach this block
+            return None   # the chain above was evicted or cut: no lookup could reach it
         parent_hash: BlockHash = req.hashes[q - 1]
         extras = req.extras_rest
     else:
         link, link_gen, parent_hash, extras = NO_PARENT, 0, hasher.seed, req.extras_first
     block_hash = hasher.hash_encoded(parent_hash, tokens, extras)
     if block_hash in pool.index:
-        return   # an equal partial block is cached (or a colliding block keeps its place)
-    pool.register(block_id, block_hash, tokens, extras, link, link_gen, parent_hash)
+        return None   # an equal partial block is cached (or a colliding block keeps its place)
+    return (block_id, block_hash, tokens, extras, link, link_gen, parent_hash)
