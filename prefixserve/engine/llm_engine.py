@@ -137,7 +137,7 @@ class LLMEngine:
                     params: Optional[SamplingParams] = None, *, cache_salt: Optional[str] = None,
                     priority: int = 0, arrival_time: Optional[float] = None,
                     cache_pins: Sequence[CachePin] = (), grammar: Optional[Constraint] = None,
-                    cache_write_limit: Optional[int] = None) -> None:
+                    cache_write_limit: Optional[int] = None, routing_key: Optional[str] = None) -> None:
         """Queues a request; raises InvalidRequestError (nothing queued) if it can never run.
 
         cache_pins: prefixes of this prompt to pin in the cache, each for its TTL, once the
@@ -145,6 +145,7 @@ class LLMEngine:
         prefix is kept to the token (its partial last block too).
         cache_write_limit: only full blocks within this many leading prompt tokens enter the
         cache (explicit cache writes); None: every block, as automatic prefix caching does.
+        routing_key: the key a router of replicas sends the request by (one engine: unused).
         grammar: compile_grammar(params), compiled by the caller off this thread (AsyncLLM does);
         None compiles params.structured here.
         """
