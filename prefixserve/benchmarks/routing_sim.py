@@ -8,11 +8,14 @@ For each replica count: prefix-aware, round-robin and least-loaded routing over 
 blocks, against one pool of N x B blocks; hit rate, its ratio to the single pool, and the
 busiest replica's share of requests over the mean. Then prefix-aware and round-robin again
 with a shared store (`shared store` rows): the share of prompt tokens loaded from it, and the
-prompt tokens computed. No model runs: see replicas/simulator.py.
+prompt tokens computed. Last, prefix-aware with every request carrying a prompt_cache_key (one
+key per salt, as a client keys each tenant's or each agent's requests): routed by the key first
+(`prompt_cache_key` row). No model runs: see replicas/simulator.py.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from prefixserve.replicas.policy import ROUTERS, RoutingConfig
 from prefixserve.replicas.simulator import SimRequest, simulate, tenant_requests
@@ -57,14 +60,17 @@ def main(argv=None) -> int:
                           block_size=a.block_size, concurrency=conc)
         print(f"| 1 (x{n} pool) | {tenants} | - | {single.hit_rate:.3f} | 1.000 | 1.00 | - | "
               f"{single.computed_tokens} | - |")
-        runs = [(r, False) for r in ROUTERS] + [("prefix-aware", True), ("round-robin", True)]
-        for router, shared in runs:
-            res = simulate(log, num_replicas=n, blocks_per_replica=a.blocks_per_replica,
+        runs = [(r, False, "") for r in ROUTERS] + [("prefix-aware", True, ", shared store"),
+                                                     ("round-robin", True, ", shared store"),
+                                                     ("prefix-aware", False, ", prompt_cache_key")]
+        keyed = [dataclasses.replace(r, routing_key=f"{r.cache_salt}|{r.cache_salt}") for r in log]
+        for router, shared, suffix in runs:
+            res = simulate(keyed if "key" in suffix else log, num_replicas=n, blocks_per_replica=a.blocks_per_replica,
                            block_size=a.block_size, concurrency=conc, shared_store=shared,
                            config=RoutingConfig(router=router, balance_abs=a.balance_abs,
                                                 balance_rel=a.balance_rel))
             reasons = ", ".join(f"{k} {v}" for k, v in sorted(res.reasons.items()))
-            name = f"{router}, shared store" if shared else router
+            name = router + suffix
             from_store = f"{res.store_tokens / res.prompt_tokens:.3f}" if shared else "-"
             print(f"| {n} | {tenants} | {name} | {res.hit_rate:.3f} | "
                   f"{res.hit_rate / single.hit_rate:.3f} | {res.max_load_ratio:.2f} | "

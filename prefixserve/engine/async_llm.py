@@ -184,10 +184,14 @@ class AsyncLLM:
     # -------------------------------------------------------------- requests
     async def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
                           cache_salt: Optional[str] = None, priority: int = 0,
-                          cache_pins: Sequence[CachePin] = ()) -> RequestStream:
+                          cache_pins: Sequence[CachePin] = (),
+                          cache_write_limit: Optional[int] = None,
+                          routing_key: Optional[str] = None) -> RequestStream:
         """Queues a request; returns its stream once the engine accepted it.
 
-        cache_pins: prefixes to pin once the prompt is computed (see LLMEngine.add_request).
+        cache_pins: prefixes to pin once the prompt is computed; cache_write_limit: how many
+        leading prompt tokens may enter the cache (see LLMEngine.add_request); routing_key: where
+        replicas would send it (one engine here: nothing to route).
 
         Raises QueueFullError (at the bound), InvalidRequestError (the engine refused it;
         nothing scheduled) or EngineDeadError.
@@ -213,7 +217,8 @@ class AsyncLLM:
                 return
             try:
                 self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
-                                        priority=priority, cache_pins=cache_pins, grammar=grammar)
+                                        priority=priority, cache_pins=cache_pins, grammar=grammar,
+                                        cache_write_limit=cache_write_limit)
             except BaseException as exc:  # handed to the caller, who maps it to an HTTP error
                 with self._cond:
                     self._streams.pop(request_id, None)
@@ -251,7 +256,9 @@ class AsyncLLM:
 
     async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
                        cache_salt: Optional[str] = None, priority: int = 0,
-                       cache_pins: Sequence[CachePin] = ()) -> AsyncIterator[RequestOutput]:
+                       cache_pins: Sequence[CachePin] = (),
+                       cache_write_limit: Optional[int] = None,
+                       routing_key: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """add_request + iterate; the request is aborted if the iteration stops early.
 
         Leaving an `async for` with break does not close an async generator
@@ -259,7 +266,8 @@ class AsyncLLM:
         (or let the task be cancelled) to free the request's blocks at once.
         """
         stream = await self.add_request(request_id, prompt, params, cache_salt=cache_salt,
-                                        priority=priority, cache_pins=cache_pins)
+                                        priority=priority, cache_pins=cache_pins,
+                                        cache_write_limit=cache_write_limit)
         async with contextlib.aclosing(until_finished(stream, lambda: self.abort(request_id))) as outputs:
             async for output in outputs:
                 yield output

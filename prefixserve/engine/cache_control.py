@@ -55,7 +55,10 @@ class CacheControl:
         """Places the pins a request asked for, once its prompt is computed; each pin's result
         (or why it was refused) goes to group.pin_results."""
         # The prompt's blocks were registered when allocated and are held by the
-        # request now, so the whole prefix is found in the cache.
+        # request now, so the whole prefix is found in the cache; the partial blocks of exact
+        # breakpoints are registered once computed, which the prompt now is.
+        if any(pin.exact for pin in group.cache_pins):
+            self.kv.cache_reached_breakpoints(group.request_id)
         for pin in group.cache_pins:
             try:
                 if pin.content is not None:
@@ -64,7 +67,8 @@ class CacheControl:
                     self.kv.expire_pins()
                     self.contents.check_new(pin.content)
                 info = self.kv.pin_prefix(group.prompt_token_ids, cache_salt=group.cache_salt,
-                                          num_tokens=pin.num_tokens, ttl_s=pin.ttl_s, tenant=pin.tenant)
+                                          num_tokens=pin.num_tokens, ttl_s=pin.ttl_s, tenant=pin.tenant,
+                                          exact=pin.exact)
                 if pin.content is not None and info.pin_id is not None:
                     pin.content.pin_id = info.pin_id
                     self.contents.add(pin.content)

@@ -74,14 +74,20 @@ class EngineClient(Protocol):
     # ------------------------------------------------------------- requests
     async def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
                           cache_salt: Optional[str] = None, priority: int = 0,
-                          cache_pins: Sequence[CachePin] = ()) -> AsyncIterator[RequestOutput]:
+                          cache_pins: Sequence[CachePin] = (),
+                          cache_write_limit: Optional[int] = None,
+                          routing_key: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Queues a request; returns its stream of (cumulative) outputs once the engine accepted
-        it. cache_pins: prefixes to pin once the prompt is computed. Raises QueueFullError,
+        it. cache_pins: prefixes to pin once the prompt is computed; cache_write_limit: how many
+        leading prompt tokens may enter the cache (None: all); routing_key: the replica router's
+        first key (prompt_cache_key, namespaced). Raises QueueFullError,
         InvalidRequestError (nothing queued) or EngineDeadError."""
 
     def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
                  cache_salt: Optional[str] = None, priority: int = 0,
-                 cache_pins: Sequence[CachePin] = ()) -> AsyncIterator[RequestOutput]:
+                 cache_pins: Sequence[CachePin] = (),
+                 cache_write_limit: Optional[int] = None,
+                 routing_key: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """add_request + iterate; the request is aborted if the iteration stops early."""
 
     def abort(self, request_id: str) -> None:

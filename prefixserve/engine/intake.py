@@ -75,8 +75,8 @@ class Intake:
 
     def request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
                 cache_salt: Optional[str], priority: int, arrival_time: Optional[float],
-                cache_pins: Sequence[CachePin], grammar: Optional[Constraint]
-                ) -> tuple[Optional[str], Request, Optional[Constraint]]:
+                cache_pins: Sequence[CachePin], grammar: Optional[Constraint],
+                cache_write_limit: Optional[int] = None) -> tuple[Optional[str], Request, Optional[Constraint]]:
         """(prompt text, the scheduler's request, its compiled grammar) for LLMEngine.add_request;
         raises InvalidRequestError (or ValueError for a grammar without structured output)."""
         if grammar is not None and params.structured is None:
@@ -98,10 +98,16 @@ class Intake:
             cache_salt=salt,
             priority=priority,
             arrival_time=arrival_time if arrival_time is not None else self.clock(),
+            cache_breakpoints=tuple(sorted({p.num_tokens for p in cache_pins if p.exact})),
+            cache_write_limit=cache_write_limit,
         )
         for pin in cache_pins:
             if not 0 < pin.num_tokens <= len(token_ids):
                 raise InvalidRequestError(
                     f"cache pin of {pin.num_tokens} tokens outside the {len(token_ids)}-token prompt",
                     param="cache_pins")
+        if cache_write_limit is not None and (isinstance(cache_write_limit, bool) or
+                                              not isinstance(cache_write_limit, int) or cache_write_limit < 0):
+            raise InvalidRequestError(f"cache_write_limit must be an int >= 0, got {cache_write_limit!r}",
+                                      param="cache_write_limit")
         return text, req, constraint

@@ -136,11 +136,16 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptInput,
                     params: Optional[SamplingParams] = None, *, cache_salt: Optional[str] = None,
                     priority: int = 0, arrival_time: Optional[float] = None,
-                    cache_pins: Sequence[CachePin] = (), grammar: Optional[Constraint] = None) -> None:
+                    cache_pins: Sequence[CachePin] = (), grammar: Optional[Constraint] = None,
+                    cache_write_limit: Optional[int] = None, routing_key: Optional[str] = None) -> None:
         """Queues a request; raises InvalidRequestError (nothing queued) if it can never run.
 
         cache_pins: prefixes of this prompt to pin in the cache, each for its TTL, once the
-        prompt has been computed (a pin that exists already is refreshed).
+        prompt has been computed (a pin that exists already is refreshed); an exact pin's
+        prefix is kept to the token (its partial last block too).
+        cache_write_limit: only full blocks within this many leading prompt tokens enter the
+        cache (explicit cache writes); None: every block, as automatic prefix caching does.
+        routing_key: the key a router of replicas sends the request by (one engine: unused).
         grammar: compile_grammar(params), compiled by the caller off this thread (AsyncLLM does);
         None compiles params.structured here.
         """
@@ -149,7 +154,8 @@ class LLMEngine:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use", param="request_id")
         text, req, constraint = self.intake.request(
             request_id, prompt, params, cache_salt=cache_salt, priority=priority,
-            arrival_time=arrival_time, cache_pins=cache_pins, grammar=grammar)
+            arrival_time=arrival_time, cache_pins=cache_pins, grammar=grammar,
+            cache_write_limit=cache_write_limit)
         self.scheduler.add_request(req)
         self.groups.add(Group(request_id, text, req.prompt_token_ids, params, req.cache_salt, req.arrival_time,
                               cache_pins=tuple(cache_pins), grammar=constraint))

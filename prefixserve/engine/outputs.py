@@ -33,6 +33,9 @@ class CachePin:
     content: Optional[CachedContent] = None
     # Whose share of the pinned blocks a new pin counts against (max_pinned_fraction_per_tenant).
     tenant: Optional[str] = None
+    # Token-exact: the prefix is kept to the token, its partial last block cached too (an
+    # explicit prompt_cache_breakpoint); otherwise only its full blocks (cache_control).
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int) or self.num_tokens < 1:
@@ -44,7 +47,7 @@ class CachePin:
 @dataclass
 class PinResult:
     requested_tokens: int
-    # Block-aligned tokens actually pinned (a partial last block is never cached).
+    # Tokens actually pinned: block-aligned, or to the token for an exact pin.
     pinned_tokens: int
     expires_at: Optional[float]
     error: Optional[str] = None  # set when a cap refused it (or a content's name was taken)

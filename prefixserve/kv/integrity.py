@@ -7,6 +7,7 @@ from typing import Mapping
 from prefixserve.kv.block import NO_PARENT
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.hashing import BlockHasher
+from prefixserve.kv.partial_blocks import is_partial
 from prefixserve.kv.request_blocks import RequestBlocks
 
 
@@ -52,8 +53,9 @@ def check_integrity(pool: BlockPool, requests: Mapping[str, RequestBlocks],
         b = block.block_id
         _check(pool.index.get(block.hash) == b, f"block {b} has a hash the index does not map to it")
         tokens, parent_hash, extras = block.tokens, block.parent_hash, block.extras
-        if tokens is None or len(tokens) != 4 * block_size:
-            raise AssertionError(f"cached block {b} does not store a full block of tokens")
+        # a full block, or a token-exact breakpoint's partial block (partial_blocks.py)
+        if tokens is None or not 0 < len(tokens) <= 4 * block_size or len(tokens) % 4:
+            raise AssertionError(f"cached block {b} does not store between 1 and {block_size} tokens")
         if parent_hash is None or extras is None:
             raise AssertionError(f"cached block {b} does not store its parent hash and extra keys")
         recomputed = hasher.hash_encoded(parent_hash, tokens, extras)
@@ -73,6 +75,10 @@ def check_integrity(pool: BlockPool, requests: Mapping[str, RequestBlocks],
         holders.update(req.table)
         _check(len(req.hashes) == len(req.canon) == len(req.canon_gen) <= len(req.table),
                f"request {rid!r}: hash chain bookkeeping does not match its table")
+        for i, c in enumerate(req.canon):
+            _check(c == NO_PARENT or blocks[c].gen != req.canon_gen[i]
+                   or not is_partial(blocks[c].tokens, block_size),
+                   f"request {rid!r}: block {i} of its chain is a partial block")
     holders.update(pin_counts)
     for block in blocks:
         _check(block.ref == holders.get(block.block_id, 0),

@@ -19,6 +19,8 @@ from prefixserve.kv.eviction import make_policy
 from prefixserve.kv.hashing import (BlockHash, BlockHasher, HashFn, encode_extra_keys,
                                     request_extra_keys, token_bytes)
 from prefixserve.kv.integrity import check_integrity
+from prefixserve.kv.partial_blocks import (PartialEntry, find_partial, is_partial,
+                                           partial_entry, pending_breakpoints)
 from prefixserve.kv.pins import PinInfo, PinRegistry
 from prefixserve.kv.request_blocks import RequestBlocks
 from prefixserve.kv.stats import KVCacheCounters, KVCacheStats
@@ -57,7 +59,10 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ lookup
     def find_cached_prefix(self, request_id: str, token_ids: Sequence[int], *,
-                           cache_salt: Optional[str] = None, preempted: bool = False) -> PrefixHit:
+                           cache_salt: Optional[str] = None, preempted: bool = False,
+                           breakpoints: Sequence[int] = ()) -> PrefixHit:
+        """The longest cached prefix of token_ids: full blocks, then, where one of the request's
+        token-exact breakpoints ends inside the next block, that breakpoint's partial block."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already holds blocks; look up a prefix "
                              "only for a request without blocks (new, or preempted and freed)")
@@ -69,7 +74,25 @@ class KVCacheManager:
             self._walk(token_ids, max_blocks, extras_first, extras_rest,
                        hit.block_ids, hit.generations)
             hit.num_tokens = len(hit.block_ids) * self.block_size
+            if breakpoints:
+                self._extend_to_breakpoint(hit, token_ids, breakpoints, len(token_ids) - 1,
+                                           extras_rest if hit.block_ids else extras_first)
         return hit
+
+    def _extend_to_breakpoint(self, hit: PrefixHit, token_ids: Sequence[int],
+                              breakpoints: Sequence[int], limit: int, extras: bytes) -> None:
+        """Adds to a hit of full blocks the partial block of the furthest breakpoint (at most
+        `limit`) that ends inside the block after them, if it is cached."""
+        start = hit.num_tokens
+        for t in sorted(breakpoints, reverse=True):
+            if start < t <= limit and t - start < self.block_size:
+                tokens = token_bytes(token_ids[start:t])
+                block_id = find_partial(self._pool, self.hasher, hit.block_ids, tokens, extras)
+                if block_id is not None:
+                    hit.block_ids.append(block_id)
+                    hit.generations.append(self._pool.blocks[block_id].gen)
+                    hit.num_tokens = t
+                    return
 
     def _walk(self, token_ids: Sequence[int], max_blocks: int, extras_first: bytes,
               extras_rest: bytes, ids: list[int], gens: list[int]) -> None:
@@ -105,7 +128,13 @@ class KVCacheManager:
     # -------------------------------------------------------------- allocation
     def allocate_slots(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                        num_new_tokens: int, *, hit: Optional[PrefixHit] = None,
-                       cache_salt: Optional[str] = None, priority: int = 0) -> Optional[Allocation]:
+                       cache_salt: Optional[str] = None, priority: int = 0,
+                       breakpoints: Sequence[int] = (),
+                       write_limit: Optional[int] = None) -> Optional[Allocation]:
+        """Blocks for num_new_tokens more tokens of the request (a new request first takes its
+        hit). breakpoints and write_limit count on a request's first allocation: the prompt
+        lengths whose prefix is kept token-exact (partial_blocks.py), and how many leading tokens
+        of it may enter the cache at all (None: every full block)."""
         if num_computed_tokens < 0 or num_new_tokens < 0:
             raise ValueError(f"num_computed_tokens ({num_computed_tokens}) and num_new_tokens "
                              f"({num_new_tokens}) must be >= 0")
@@ -121,16 +150,19 @@ class KVCacheManager:
         req = self._requests.get(request_id)
         cow: list[int] = []
         reclaimed = 0
+        due: tuple[int, list[PartialEntry]] = (0, [])
         if req is None:
             hit_ids = hit.block_ids if hit is not None else []
-            if num_computed_tokens != len(hit_ids) * bs:
+            hit_tokens = hit.num_tokens if hit is not None else 0
+            if num_computed_tokens != hit_tokens:
                 raise ValueError(
                     f"request {request_id!r} has no blocks yet: num_computed_tokens "
-                    f"({num_computed_tokens}) must equal the hit's {len(hit_ids) * bs} tokens")
+                    f"({num_computed_tokens}) must equal the hit's {hit_tokens} tokens")
             if hit is not None and hit_ids:
                 self._check_hit(request_id, hit)
                 # Hit blocks leave the eviction queue, so they cannot also be evicted for us.
                 reclaimed = sum(1 for b in hit_ids if blocks[b].ref == 0)
+            table = hit_ids
             have = len(hit_ids)
         else:
             if hit is not None:
@@ -142,28 +174,43 @@ class KVCacheManager:
                 raise ValueError(
                     f"request {request_id!r}: num_computed_tokens ({num_computed_tokens}) is "
                     f"beyond its {have} blocks")
-            if num_new_tokens:
-                # Blocks this call writes into that another holder still reads: copy first.
-                last = min(have, (end - 1) // bs + 1)
-                cow = [j for j in range(num_computed_tokens // bs, last)
-                       if blocks[table[j]].ref > 1]
+            if req.pending and req.pending[0][0] <= num_computed_tokens:
+                due = self._due_partials(req, num_computed_tokens)
+        if num_new_tokens:
+            # Blocks this call writes into that another holder still reads, or that the cache
+            # keeps (or is about to keep) as a breakpoint's partial block: copy first.
+            caching = {entry[0] for entry in due[1]}
+            last = min(have, (end - 1) // bs + 1)
+            cow = [j for j in range(num_computed_tokens // bs, last)
+                   if blocks[table[j]].ref > 1 or blocks[table[j]].hash is not None
+                   or table[j] in caching]
         grow = max(0, -(-end // bs) - have)
         if grow + len(cow) > pool.num_available - reclaimed:
             return None
         # Everything that can reject bad input runs before the first change.
         if req is None:
             extras_first, extras_rest = self._encoded_extras(cache_salt)
-        hashed = len(req.hashes) if req is not None else have
+        hashed = len(req.hashes) if req is not None else num_computed_tokens // bs
         num_full = end // bs
+        limit = req.write_limit if req is not None else write_limit
+        if limit is not None:
+            num_full = min(num_full, limit // bs)
         new_full_tokens = (token_bytes(token_ids[hashed * bs:num_full * bs])
                            if self.enable_prefix_caching and num_full > hashed else None)
 
         # Commit: nothing below can fail.
+        if due[0]:
+            self._cache_partials(req, due)
         if req is None:
             req = RequestBlocks(list(hit_ids), extras_first, extras_rest, priority)
             self._requests[request_id] = req
             if hit is not None:
                 self._take_hit(req, hit, priority)
+            if self.enable_prefix_caching:
+                req.write_limit = write_limit
+                if breakpoints:
+                    req.pending = pending_breakpoints(token_ids, breakpoints, bs,
+                                                      num_computed_tokens)
         copies = []
         if cow:
             table = req.table
@@ -176,15 +223,58 @@ class KVCacheManager:
             self._counters.cow_copies += len(copies)
         new_ids = pool.allocate(grow, priority) if grow else []
         req.table.extend(new_ids)
+        req.allocated_end = end
         if new_full_tokens is not None:
             self._register(req, new_full_tokens)
         return Allocation(new_ids, copies)
 
+    def cache_reached_breakpoints(self, request_id: str) -> None:
+        """Caches now the partial blocks of the request's breakpoints that its last allocation
+        reached, instead of at its next allocation or its free. Only once that allocation's
+        forward has run: the engine calls it before placing the request's pins, so a pin at a
+        breakpoint that ends the prompt finds its partial block."""
+        req = self._requests.get(request_id)
+        if req is not None and req.pending and req.pending[0][0] <= req.allocated_end:
+            self._cache_partials(req, self._due_partials(req, req.allocated_end))
+
+    def _due_partials(self, req: RequestBlocks, computed: int) -> tuple[int, list[PartialEntry]]:
+        """(how many of the request's pending breakpoints have their K/V written, at most
+        `computed` tokens; the partial blocks to cache for them). A block holding several is
+        cached for the furthest one. Changes nothing."""
+        pending = req.pending
+        count = 0
+        while count < len(pending) and pending[count][0] <= computed:
+            count += 1
+        bs = self.block_size
+        entries = []
+        for k in range(count):
+            t, tokens = pending[k]
+            if k + 1 < count and pending[k + 1][0] // bs == t // bs:
+                continue
+            entry = partial_entry(self._pool, self.hasher, req, t, tokens, bs)
+            if entry is not None:
+                entries.append(entry)
+        return count, entries
+
+    def _cache_partials(self, req: Optional[RequestBlocks],
+                        due: tuple[int, list[PartialEntry]]) -> None:
+        count, entries = due
+        for entry in entries:
+            self._pool.register(*entry)
+        if req is not None:
+            del req.pending[:count]
+
     def _check_hit(self, request_id: str, hit: PrefixHit) -> None:
         blocks = self._pool.blocks
-        if hit.num_tokens != len(hit.block_ids) * self.block_size:
+        bs = self.block_size
+        full = len(hit.block_ids)
+        tail = blocks[hit.block_ids[-1]].tokens if hit.block_ids else None
+        if is_partial(tail, bs):
+            full -= 1
+        expected = full * bs + (len(tail) // 4 if tail is not None and is_partial(tail, bs) else 0)
+        if hit.num_tokens != expected:
             raise ValueError(f"hit for {request_id!r}: num_tokens ({hit.num_tokens}) is not "
-                             f"{len(hit.block_ids)} blocks of {self.block_size}")
+                             f"the {expected} tokens of its blocks of {bs}")
         gens = hit.generations
         for i, block_id in enumerate(hit.block_ids):
             block = blocks[block_id]
@@ -197,10 +287,12 @@ class KVCacheManager:
         blocks = self._pool.blocks
         ids = hit.block_ids
         self._pool.take(ids, priority)
-        # _check_hit proved every hit block is in the index, so each has its hash.
-        req.hashes = [h for b in ids if (h := blocks[b].hash) is not None]
-        req.canon = list(ids)
-        req.canon_gen = [blocks[b].gen for b in ids]
+        # _check_hit proved every hit block is in the index, so each has its hash; a partial
+        # block at the end is no link of the request's chain (it is copied before any write).
+        full = ids[:hit.num_tokens // self.block_size]
+        req.hashes = [h for b in full if (h := blocks[b].hash) is not None]
+        req.canon = list(full)
+        req.canon_gen = [blocks[b].gen for b in full]
         counters = self._counters
         if hit.preempted:
             counters.recomputed_queries += 1
@@ -298,6 +390,8 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
         if req is not None:
+            if req.pending and req.pending[0][0] <= req.allocated_end:
+                self._cache_partials(req, self._due_partials(req, req.allocated_end))
             # Tail first: under LRU a chain's tail is evicted before its head, which other
             # prompts are likelier to share.
             self._pool.release(reversed(req.table))
@@ -328,6 +422,7 @@ class KVCacheManager:
         del hashes[keep_hashes:]
         del req.canon[keep_hashes:]
         del req.canon_gen[keep_hashes:]
+        req.allocated_end = num_tokens
         keep_blocks = -(-num_tokens // bs)
         released = table[keep_blocks:]
         del table[keep_blocks:]
@@ -347,9 +442,10 @@ class KVCacheManager:
     def pin_prefix(self, token_ids: Sequence[int], *, cache_salt: Optional[str] = None,
                    num_tokens: Optional[int] = None,
                    ttl_s: Optional[float] = None, shorten: bool = False,
-                   tenant: Optional[str] = None) -> PinInfo:
+                   tenant: Optional[str] = None, exact: bool = False) -> PinInfo:
         """Pins the cached full blocks of token_ids' longest cached prefix (of its first
-        num_tokens tokens if given). Nothing cached: returns a PinInfo with pin_id None and no
+        num_tokens tokens if given), and with exact the partial block of a token-exact
+        breakpoint at num_tokens when it is cached after them. Nothing cached: returns a PinInfo with pin_id None and no
         blocks, and pins nothing. Pinning a pinned prefix again refreshes its expiry, which only
         moves later unless shorten is set. A new pin counts against tenant's share
         (max_pinned_blocks_per_tenant); either cap raises PinLimitError."""
@@ -361,9 +457,15 @@ class KVCacheManager:
         self.expire_pins()
         limit = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
         ids: list[int] = []
+        num_pinned = 0
         if self.enable_prefix_caching:
             extras_first, extras_rest = self._encoded_extras(cache_salt)
             self._walk(token_ids, limit // self.block_size, extras_first, extras_rest, ids, [])
+            found = PrefixHit(ids, len(ids) * self.block_size)
+            if exact and found.num_tokens == limit - limit % self.block_size:
+                self._extend_to_breakpoint(found, token_ids, (limit,), limit,
+                                           extras_rest if ids else extras_first)
+            num_pinned = found.num_tokens
         expires_at = None if ttl_s is None else self._clock() + ttl_s
         if not ids:
             return PinInfo(None, [], 0, expires_at)
@@ -376,7 +478,7 @@ class KVCacheManager:
             self._pool.share(block_id)
         if self._pool.observer is not None:
             self._pool.observer.pinned(self._pool.blocks[b].hash for b in ids)
-        return self._pins.add(key, len(ids) * self.block_size, expires_at, tenant)
+        return self._pins.add(key, num_pinned, expires_at, tenant)
 
     def unpin(self, pin_id: Optional[str]) -> bool:
         """Releases a pin; returns False (and does nothing) if no such pin lives, e.g. because
@@ -459,7 +561,9 @@ class KVCacheManager:
         """Blocks evicted since the last call, whose K/V are still in place until the next
         forward or load writes into them."""
         evicted, self._pool.evicted = self._pool.evicted or [], []
-        return [(b, BlockMeta(h, parent, tok, extras)) for b, h, parent, tok, extras in evicted]
+        # A breakpoint's partial block stays in the pool only: store lookups chain full blocks.
+        return [(b, BlockMeta(h, parent, tok, extras)) for b, h, parent, tok, extras in evicted
+                if not is_partial(tok, self.block_size)]
 
     def take_computed(self) -> list[tuple[int, BlockMeta]]:
         """Blocks registered as computed since the last call that still hold their hash."""
@@ -473,7 +577,9 @@ class KVCacheManager:
 
     def cached_blocks(self) -> list[tuple[int, BlockMeta]]:
         """Every block in the hash index with what identifies its content."""
-        return self._metas(self._pool.index.values())
+        blocks, bs = self._pool.blocks, self.block_size
+        return self._metas(b for b in self._pool.index.values()
+                           if not is_partial(blocks[b].tokens, bs))
 
     def _metas(self, ids) -> list[tuple[int, BlockMeta]]:
         blocks = self._pool.blocks

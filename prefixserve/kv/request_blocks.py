@@ -1,6 +1,8 @@
 """What the KV manager knows about one request."""
 from __future__ import annotations
 
+from typing import Optional
+
 from prefixserve.kv.hashing import BlockHash
 
 
@@ -12,10 +14,15 @@ class RequestBlocks:
     another request registered first), with canon_gen[i] its generation at that time; a later
     block is registered as the child of canon[i] only while that generation still matches.
     canon[i] is NO_PARENT when the chain was cut at or before block i.
+
+    pending holds the token-exact breakpoints (t, tokens of t's block before t) whose partial
+    block is still to be cached (partial_blocks.py); allocated_end is where the last successful
+    allocation ended; write_limit, when set, keeps full blocks past that many tokens out of the
+    index (explicit cache writes).
     """
 
     __slots__ = ("table", "hashes", "canon", "canon_gen", "extras_first", "extras_rest",
-                 "priority")
+                 "priority", "pending", "allocated_end", "write_limit")
 
     def __init__(self, table: list[int], extras_first: bytes, extras_rest: bytes,
                  priority: int) -> None:
@@ -26,6 +33,9 @@ class RequestBlocks:
         self.extras_first = extras_first
         self.extras_rest = extras_rest
         self.priority = priority
+        self.pending: list[tuple[int, bytes]] = []
+        self.allocated_end = 0
+        self.write_limit: Optional[int] = None
 
     def fork(self) -> RequestBlocks:
         child = RequestBlocks(list(self.table), self.extras_first, self.extras_rest,
@@ -33,4 +43,7 @@ class RequestBlocks:
         child.hashes = list(self.hashes)
         child.canon = list(self.canon)
         child.canon_gen = list(self.canon_gen)
+        child.pending = list(self.pending)
+        child.allocated_end = self.allocated_end
+        child.write_limit = self.write_limit
         return child

@@ -19,6 +19,7 @@ class Breakpoint:
     ttl: str
     char_offset: int  # end of the covered prefix in the rendered text
     num_tokens: int   # prompt tokens in that prefix
+    exact: bool = False  # kept to the token (prompt_cache_breakpoint), not to full blocks
 
 
 class _Renders(Protocol):
@@ -43,7 +44,7 @@ def locate_breakpoints(renderer: _Renders, conversation: Conversation, text: str
     breakpoints = []
     for where, control in marks:
         offset = ends[where] if where in is_tool else max(ends[where], tools_end)
-        breakpoints.append(Breakpoint(where, control.ttl, offset, tokens_by(offset)))
+        breakpoints.append(Breakpoint(where, control.ttl, offset, tokens_by(offset), control.exact))
     return breakpoints
 
 

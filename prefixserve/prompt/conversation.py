@@ -11,7 +11,9 @@ from typing import Any, Optional
 
 from prefixserve.errors import CacheControlError
 
-TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
+# Anthropic's cache_control TTLs, then OpenAI's prompt_cache_breakpoint TTLs and its 24h retention
+TTL_SECONDS = {"5m": 300.0, "1h": 3600.0, "30m": 1800.0, "12h": 43200.0, "24h": 86400.0}
+_CONTROL_TTLS = ("5m", "1h")
 MAX_BREAKPOINTS = 4
 _CONTROL_KEYS = {"type", "ttl"}
 
@@ -19,6 +21,9 @@ _CONTROL_KEYS = {"type", "ttl"}
 @dataclass(frozen=True)
 class CacheControl:
     ttl: str = "5m"
+    # Token-exact (OpenAI's prompt_cache_breakpoint): the prefix is kept to the token, not
+    # rounded down to a block boundary.
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if self.ttl not in TTL_SECONDS:
@@ -40,7 +45,7 @@ def parse_cache_control(raw: Any, where: str) -> Optional[CacheControl]:
         raise CacheControlError(f"{param}.type must be \"ephemeral\", got {raw.get('type')!r}",
                                 param=param)
     ttl = raw.get("ttl", "5m")
-    if ttl not in TTL_SECONDS:
+    if ttl not in _CONTROL_TTLS:
         raise CacheControlError(f"{param}.ttl must be \"5m\" or \"1h\", got {ttl!r}", param=param)
     return CacheControl(ttl)
 

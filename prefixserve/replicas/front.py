@@ -175,7 +175,9 @@ class ReplicatedLLM:
     # ------------------------------------------------------------- requests
     async def add_request(self, request_id: str, prompt, params: SamplingParams, *,
                           cache_salt: Optional[str] = None, priority: int = 0,
-                          cache_pins: Sequence[CachePin] = ()) -> ReplicaStream:
+                          cache_pins: Sequence[CachePin] = (),
+                          cache_write_limit: Optional[int] = None,
+                          routing_key: Optional[str] = None) -> ReplicaStream:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             token_ids = list(prompt["prompt_token_ids"])
         else:
@@ -190,7 +192,7 @@ class ReplicatedLLM:
                     self._contents.reserve(pin.content)
                     creating.append((i, pin.content))
             stream = await self._send(request_id, token_ids, params, cache_salt, priority,
-                                      cache_pins)
+                                      cache_pins, cache_write_limit, routing_key)
         except BaseException:
             for _, content in creating:
                 self._contents.release(content)
@@ -210,11 +212,14 @@ class ReplicatedLLM:
 
     async def _send(self, request_id: str, token_ids: list[int], params: SamplingParams,
                     cache_salt: Optional[str], priority: int,
-                    cache_pins: Sequence[CachePin]) -> ReplicaStream:
+                    cache_pins: Sequence[CachePin], cache_write_limit: Optional[int] = None,
+                    routing_key: Optional[str] = None) -> ReplicaStream:
         for attempt in (0, 1):
             response = self._gen.remote(request_id=request_id, token_ids=token_ids, params=params,
                                         cache_salt=cache_salt, priority=priority,
-                                        cache_pins=tuple(cache_pins))
+                                        cache_pins=tuple(cache_pins),
+                                        cache_write_limit=cache_write_limit,
+                                        routing_key=routing_key)
             try:
                 marker = await response.__anext__()
             except Exception as exc:
@@ -238,10 +243,13 @@ class ReplicatedLLM:
 
     async def generate(self, request_id: str, prompt, params: SamplingParams, *,
                        cache_salt: Optional[str] = None, priority: int = 0,
-                       cache_pins: Sequence[CachePin] = ()) -> AsyncIterator[RequestOutput]:
+                       cache_pins: Sequence[CachePin] = (),
+                       cache_write_limit: Optional[int] = None,
+                       routing_key: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """add_request + iterate; the request is aborted if the iteration stops early."""
         stream = await self.add_request(request_id, prompt, params, cache_salt=cache_salt,
-                                        priority=priority, cache_pins=cache_pins)
+                                        priority=priority, cache_pins=cache_pins,
+                                        cache_write_limit=cache_write_limit, routing_key=routing_key)
         async with contextlib.aclosing(until_finished(stream, lambda: self.abort(request_id))) as outputs:
             async for output in outputs:
                 yield output

@@ -13,12 +13,25 @@ replica is cheapest; it only makes leaving the pool holder cheaper: when the sto
 the holder would reuse, moving the request costs loads, not a recompute, and the smaller
 `store_balance_abs` / `store_balance_rel` margins apply (reason "store_balance"). A request
 no pool holds but the store does goes to the least loaded replica as a "store_hit".
+
+A request with a routing key (OpenAI's prompt_cache_key, namespaced by its tenant) goes by that
+key first, to the key's home (reason "cache_key"), unless the home's load exceeds the least
+loaded replica's by both balance margins (then the least loaded, reason "balance", as for a
+prefix hit). A key's home is decided when the key is first seen, by consistent hashing with
+bounded loads: the first replica, in the key's rendezvous order (replicas by the hash of key and
+replica, highest first), homing fewer than its even share of the known keys (rounded up), so
+a few keys never pile onto one pool as plain hashing would let them. It then stays, so
+adding a replica moves no key and losing one moves only the keys homed there. Requests of one
+key share a pool even before any of them is cached.
 """
 from __future__ import annotations
 
 import time
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
+
+import xxhash
 
 from prefixserve.kv.hashing import BlockHash
 from prefixserve.replicas.index import BlockIndex, ReplicaKey
@@ -31,7 +44,8 @@ ROUND_ROBIN = "round_robin"
 LEAST_LOADED = "least_loaded"
 STORE_HIT = "store_hit"
 STORE_BALANCE = "store_balance"
-REASONS = (PREFIX_HIT, BALANCE, MISS, ROUND_ROBIN, LEAST_LOADED, STORE_HIT, STORE_BALANCE)
+CACHE_KEY = "cache_key"
+REASONS = (PREFIX_HIT, BALANCE, MISS, ROUND_ROBIN, LEAST_LOADED, STORE_HIT, STORE_BALANCE, CACHE_KEY)
 
 
 @dataclass(frozen=True)
@@ -42,6 +56,7 @@ class RoutingConfig:
     balance_abs: int = 8
     balance_rel: float = 1.5
     index_capacity: int = 1_000_000   # block hashes the router remembers, over all replicas
+    key_capacity: int = 100_000       # routing keys whose home the router remembers (LRU)
     # A request's blocks count as held by the replica it was sent to for this long, or until
     # that replica's KV events confirm them.
     expect_ttl_s: float = 10.0
@@ -76,6 +91,9 @@ class RoutingConfig:
         if isinstance(self.index_capacity, bool) or not isinstance(self.index_capacity, int) \
                 or self.index_capacity < 1:
             raise ValueError(f"index_capacity must be a positive int, got {self.index_capacity!r}")
+        if isinstance(self.key_capacity, bool) or not isinstance(self.key_capacity, int) \
+                or self.key_capacity < 1:
+            raise ValueError(f"key_capacity must be a positive int, got {self.key_capacity!r}")
         if isinstance(self.expect_ttl_s, bool) or not isinstance(self.expect_ttl_s, (int, float)) \
                 or not 0 <= self.expect_ttl_s < float("inf"):
             raise ValueError(f"expect_ttl_s must be a finite number >= 0, got {self.expect_ttl_s!r}")
@@ -96,11 +114,15 @@ class RoutingPolicy:
         self.clock = clock
         self.index = BlockIndex(config.index_capacity)
         self._turn = 0   # round-robin cursor, also breaks ties between equally loaded replicas
+        self._homes: OrderedDict[str, ReplicaKey] = OrderedDict()   # routing key -> its home
+        self._homed: Counter = Counter()                              # replica -> keys homed there
 
     def choose(self, replicas: Sequence[ReplicaKey], loads: Mapping[ReplicaKey, int],
-               chain: Sequence[BlockHash], store_depth: int = 0) -> Decision:
+               chain: Sequence[BlockHash], store_depth: int = 0,
+               routing_key: Optional[str] = None) -> Decision:
         """store_depth: leading blocks of chain the replicas' shared KV store holds (0: none,
-        or no shared store)."""
+        or no shared store). routing_key: the request's namespaced prompt_cache_key, routed by
+        first under prefix-aware routing."""
         if not replicas:
             raise ValueError("no replica to route to")
         if not 0 <= store_depth <= len(chain):
@@ -113,7 +135,10 @@ class RoutingPolicy:
         least = self._least_loaded(replicas, loads)
         if cfg.router == "least-loaded":
             return _decide(least, LEAST_LOADED, self._depth(least, chain), store_depth)
-        decision = self._prefix_aware(replicas, loads, chain, least, store_depth)
+        if routing_key is not None:
+            decision = self._keyed(replicas, loads, chain, least, store_depth, routing_key)
+        else:
+            decision = self._prefix_aware(replicas, loads, chain, least, store_depth)
         if chain and cfg.expect_ttl_s > 0:
             self.index.expect(decision.replica, chain, self.clock() + cfg.expect_ttl_s)
         return decision
@@ -138,6 +163,37 @@ class RoutingPolicy:
             reason = STORE_BALANCE if moving_is_a_load else BALANCE
             return _decide(least, reason, depths.get(least, 0), store_depth)
         return _decide(best, PREFIX_HIT, best_depth, store_depth)
+
+    def _keyed(self, replicas: Sequence[ReplicaKey], loads: Mapping[ReplicaKey, int],
+               chain: Sequence[BlockHash], least: ReplicaKey, store_depth: int,
+               key: str) -> Decision:
+        home = self._home(replicas, key)
+        cfg = self.config
+        home_load, min_load = loads.get(home, 0), loads.get(least, 0)
+        if home_load - min_load > cfg.balance_abs and home_load > cfg.balance_rel * min_load:
+            return _decide(least, BALANCE, self._depth(least, chain), store_depth)
+        return _decide(home, CACHE_KEY, self._depth(home, chain), store_depth)
+
+    def _home(self, replicas: Sequence[ReplicaKey], key: str) -> ReplicaKey:
+        homes, homed = self._homes, self._homed
+        home = homes.get(key)
+        if home is not None and home in replicas:
+            homes.move_to_end(key)
+            return home
+        if home is not None:
+            homed[home] -= 1   # its home is gone: the key is placed again
+        encoded = key.encode("utf-8")
+        ranked = sorted(replicas, reverse=True, key=lambda r: (
+            xxhash.xxh3_64_intdigest(encoded + b"\0" + str(r).encode("utf-8")), str(r)))
+        known = sum(homed[r] for r in replicas) + 1
+        share = -(-known // len(replicas))
+        home = next(r for r in ranked if homed[r] < share)
+        homes[key] = home
+        homed[home] += 1
+        if len(homes) > self.config.key_capacity:
+            _, old = homes.popitem(last=False)
+            homed[old] -= 1
+        return home
 
     def _least_loaded(self, candidates: Sequence[ReplicaKey],
                       loads: Mapping[ReplicaKey, int]) -> ReplicaKey:

@@ -138,7 +138,8 @@ class PrefixAwareRequestRouter(RequestRouter):
                 and self.hasher is not None:
             chain = routing_chain(self.hasher, kwargs["token_ids"], self.block_size,
                                   kwargs.get("cache_salt"))
-            decision = self.policy.choose(ids, loads, chain, await self._store_depth(chain))
+            decision = self.policy.choose(ids, loads, chain, await self._store_depth(chain),
+                                          routing_key=kwargs.get("routing_key"))
             self.reasons[decision.reason] += 1
             self.matched_blocks[decision.replica] += decision.matched_blocks
             first = decision.replica

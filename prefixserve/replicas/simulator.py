@@ -26,6 +26,7 @@ from prefixserve.replicas.policy import RoutingConfig, RoutingPolicy, routing_ch
 class SimRequest:
     token_ids: tuple[int, ...]
     cache_salt: Optional[str] = None
+    routing_key: Optional[str] = None   # a namespaced prompt_cache_key (policy.py)
 
 
 @dataclass
@@ -104,7 +105,8 @@ def simulate(requests: Sequence[SimRequest], *, num_replicas: int, blocks_per_re
         if shared_store:
             while store_depth < len(chain) and chain[store_depth] in stored:
                 store_depth += 1
-        decision = policy.choose(names, dict(enumerate(loads)), chain, store_depth=store_depth)
+        decision = policy.choose(names, dict(enumerate(loads)), chain, store_depth=store_depth,
+                                 routing_key=req.routing_key)
         replica = decision.replica
         manager, rid = managers[replica], f"r{n}"
         hit = manager.find_cached_prefix(rid, tokens, cache_salt=req.cache_salt)

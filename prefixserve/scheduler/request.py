@@ -38,6 +38,11 @@ class Request:
     cache_salt: Optional[str] = None
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    # Prompt lengths whose prefix the cache keeps token-exact (explicit breakpoints): a prefill
+    # chunk ends at each one not on a block boundary, so its partial block can be cached.
+    cache_breakpoints: tuple[int, ...] = ()
+    # Only full blocks within this many leading tokens enter the cache (None: all).
+    cache_write_limit: Optional[int] = None
     # Sequence index within a group of n samples; children are forked from index 0.
     sample_index: int = 0
 

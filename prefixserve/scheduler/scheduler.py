@@ -119,13 +119,15 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if only is not None and req.request_id not in only:
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req, req.num_computed_tokens,
+                                  min(req.num_tokens - req.num_computed_tokens, budget))
             if num_new <= 0:
                 continue
             while True:
                 alloc = self.kv.allocate_slots(
                     req.request_id, req.all_token_ids, req.num_computed_tokens, num_new,
-                    cache_salt=req.cache_salt, priority=req.priority)
+                    cache_salt=req.cache_salt, priority=req.priority,
+                    breakpoints=req.cache_breakpoints, write_limit=req.cache_write_limit)
                 if alloc is not None:
                     break
                 victim = self._pick_victim(scheduled)
@@ -169,11 +171,13 @@ class Scheduler:
                 break
             resumed = req.num_preemptions > 0
             hit = self.kv.find_cached_prefix(
-                req.request_id, req.all_token_ids, cache_salt=req.cache_salt, preempted=resumed)
-            num_new = min(req.num_tokens - hit.num_tokens, budget)
+                req.request_id, req.all_token_ids, cache_salt=req.cache_salt, preempted=resumed,
+                breakpoints=req.cache_breakpoints)
+            num_new = self._chunk(req, hit.num_tokens, min(req.num_tokens - hit.num_tokens, budget))
             alloc = self.kv.allocate_slots(
                 req.request_id, req.all_token_ids, hit.num_tokens, num_new, hit=hit,
-                cache_salt=req.cache_salt, priority=req.priority)
+                cache_salt=req.cache_salt, priority=req.priority,
+                breakpoints=req.cache_breakpoints, write_limit=req.cache_write_limit)
             if alloc is None:
                 break
             if candidates is None:
@@ -195,6 +199,16 @@ class Scheduler:
             budget -= num_new
             scheduled.add(req.request_id)
             out.sequences.append(self._plan(req, num_new, alloc))
+
+    def _chunk(self, req: Request, start: int, num_new: int) -> int:
+        """num_new, cut so that the chunk ends at the request's next token-exact breakpoint
+        inside a block: the K/V up to it is then written before any later token's, and the next
+        allocation can cache that block as the breakpoint's partial block."""
+        bs = self.kv.block_size
+        for t in req.cache_breakpoints:
+            if t > start and t % bs and self.kv.enable_prefix_caching:
+                return min(num_new, t - start)
+        return num_new
 
     def _plan(self, req: Request, num_new: int, alloc: Allocation) -> ScheduledSequence:
         start = req.num_computed_tokens

@@ -346,4 +346,5 @@ def test_a_logged_request_log_replays_over_replicas(tmp_path, capsys):
     assert res.hit_tokens == oracle_hits(reqs, assignment, BS) > 0
     assert main(["--log", str(path), "--replicas", "2", "--block-size", str(BS)]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert len(rows) == 1 + 1 + 3 + 2   # header, one pool, three routers, two with a store
+    # header, one pool, three routers, two with a store, one with prompt_cache_key
+    assert len(rows) == 1 + 1 + 3 + 2 + 1

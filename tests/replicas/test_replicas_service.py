@@ -179,6 +179,34 @@ def pinned(live) -> dict[str, int]:
     return {replica: s["blocks_pinned"] for replica, s in replica_stats(live).items()}
 
 
+def test_a_prompt_cache_key_routes_by_the_key_first(prefix_aware):
+    """Chat requests with OpenAI's prompt_cache_key and nothing else in common (their prompts
+    share no block) all go to the key's home, decided by the key (reason cache_key)."""
+    _, front, live = prefix_aware
+
+    def settled() -> bool:
+        """Every request routed so far has finished and both sides have reported it."""
+        finished = sum(st["requests_finished"] for st in front.replica_stats().values())
+        return routers_caught_up(front) and sum(routing(front)["routed"].values()) == finished
+
+    wait_until(settled, what="the reports of the earlier requests")
+    before = routing(front)
+    for i in range(4):
+        body = {"model": "random:qwen3-tiny", "max_tokens": 1, "prompt_cache_key": "agent-7",
+                "messages": [{"role": "user", "content": system_prompt(20 + i)}]}
+        r = httpx.post(live.base_url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+
+    def moved() -> dict:
+        now = routing(front)
+        assert now["reasons"].get("cache_key", 0) - before["reasons"].get("cache_key", 0) <= 4
+        return {r: now["routed"].get(r, 0) - before["routed"].get(r, 0) for r in now["routed"]}
+
+    # a router counts a decision when it makes it and the request as routed just after
+    wait_until(lambda: sum(moved().values()) == 4, what="the routers' report")
+    assert sorted(moved().values())[-1] == 4, moved()
+
+
 def chat_with(live, content: str, question: str, salt=None) -> dict:
     body = {"model": "random:qwen3-tiny", "max_tokens": 2, "temperature": 0,
             "cached_content": content, "messages": [{"role": "user", "content": question}]}

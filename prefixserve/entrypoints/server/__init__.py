@@ -19,6 +19,7 @@ Where to look:
     protocol.py         what every request body shares (strict validation, diagnosis fields)
     tools.py            tools, tool_choice and response_format, in either API's shape
     usage.py            token usage and prompt-cache accounting
+    prompt_cache_fields.py  OpenAI's prompt_cache_* fields -> marks, write limit, routing key
     diagnosis.py        live cache-miss diagnosis in responses
     state.py            what every endpoint shares (engine front, settings, the render process)
     response_store.py   stored responses per tenant (mem://, file://, redis://), bounded, expiring

@@ -133,6 +133,7 @@ class Generation:
 async def submit(async_llm: AsyncLLM, config: ServerConfig, metrics: ServerMetrics, base_id: str,
                  prompts: list[list[int]], params: SamplingParams, *, cache_salt: Optional[str],
                  priority: int, param: str, cache_pins: Sequence[CachePin] = (),
+                 cache_write_limit: Optional[int] = None, routing_key: Optional[str] = None,
                  renames: Optional[dict[str, str]] = None) -> Generation:
     """Adds every prompt; if any is refused, aborts the ones already added and raises APIError."""
     ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
@@ -141,7 +142,8 @@ async def submit(async_llm: AsyncLLM, config: ServerConfig, metrics: ServerMetri
         for rid, prompt in zip(ids, prompts):
             streams.append(await async_llm.add_request(
                 rid, {"prompt_token_ids": prompt}, params, cache_salt=cache_salt, priority=priority,
-                cache_pins=cache_pins))
+                cache_pins=cache_pins, cache_write_limit=cache_write_limit,
+                routing_key=routing_key))
     except BaseException as exc:
         for rid in ids[:len(streams)]:
             async_llm.abort(rid)

@@ -20,6 +20,7 @@ from prefixserve.engine.outputs import RequestOutput
 from prefixserve.entrypoints.server.diagnosis import LiveDiagnosis, diagnose_ask, with_diagnosis
 from prefixserve.entrypoints.server.errors import api_error
 from prefixserve.entrypoints.server.generation import Generation, submit
+from prefixserve.entrypoints.server.prompt_cache_fields import PromptCacheFields
 from prefixserve.entrypoints.server.prompting.bodies import ConversationSource
 from prefixserve.entrypoints.server.prompting.pins import unix_time, warning_headers
 from prefixserve.entrypoints.server.protocol import DiagnoseFields
@@ -67,6 +68,7 @@ class GenerationRequest:
     renames: Optional[dict[str, str]] = None   # engine field names the body spells differently
     check: Callable[[], None] = _nothing
     tools: Optional[Callable[[Any], ChatTools]] = None
+    cache: PromptCacheFields = PromptCacheFields()   # OpenAI's caching fields (prompt_cache_*)
 
 
 @dataclass(frozen=True)
@@ -185,7 +187,10 @@ async def start(request: Request, ask: GenerationRequest) -> Call:
     live = LiveDiagnosis(state.explainer, wanted, salt, prepared.rendered.spans if prepared else None)
     gen = await submit(state.async_llm, state.config, state.metrics, new_id(ask.id_prefix), prompts, params,
                        cache_salt=salt, priority=priority, param=ask.param, renames=ask.renames,
-                       cache_pins=prepared.plan.pins if prepared is not None else ())
+                       cache_pins=prepared.plan.pins if prepared is not None else (),
+                       cache_write_limit=ask.cache.write_limit(
+                           prepared.rendered.breakpoints if prepared is not None else ()),
+                       routing_key=ask.cache.routing_key(salt))
     # The body dependency has read it already: Starlette keeps it on the request.
     raw_body = await request.body() if state.request_log is not None else None
     return Call(state, gen, prepared, live, tools, created=int(time.time()), arrived=arrived,

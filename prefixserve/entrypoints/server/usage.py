@@ -4,8 +4,9 @@ dialect only spells the numbers in its own fields (openai/protocol.py Usage, ant
 Prompt-cache accounting: tokens read from the cache, written (pinned) to it, and uncached.
 
 read     = the request's num_cached_tokens (prefix-cache hit).
-written  = the block-aligned prefix this request pinned through cache_control, minus what it
-           read (never negative): the pinned tokens it computed itself.
+written  = the longest prefix this request pinned at its marks (cache_control: block-aligned;
+           prompt_cache_breakpoint: to the token), minus what it read (never negative): the
+           pinned tokens it computed itself.
 uncached = prompt - read - written.
 The three add up to the prompt's tokens by construction.
 """

@@ -8,13 +8,14 @@ from typing import Any, Optional
 from prefixserve.entrypoints.server.openai.protocol import ChatCompletionRequest, ChatMessage
 from prefixserve.entrypoints.server.openai.tool_calls import check_tool_calls
 from prefixserve.entrypoints.server.prompting.bodies import ChatKind, register_chat_kind
+from prefixserve.entrypoints.server.prompt_cache_fields import PromptCacheFields, prompt_cache_fields
 from prefixserve.entrypoints.server.prompting.conversations import parts_of, tool_of
 from prefixserve.errors import CacheControlError
 from prefixserve.prompt import Conversation, Turn, parse_cache_control
 
 
-def chat_conversation(messages: list[ChatMessage], tools: Optional[list[dict[str, Any]]]
-                      ) -> Conversation:
+def chat_conversation(messages: list[ChatMessage], tools: Optional[list[dict[str, Any]]],
+                      cache: PromptCacheFields = PromptCacheFields()) -> Conversation:
     turns = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -30,13 +31,30 @@ def chat_conversation(messages: list[ChatMessage], tools: Optional[list[dict[str
         parts = parts_of(message.content, content_where)
         if control is not None:
             parts[0].cache_control = control
+        if isinstance(message.content, list) and parts is not None:
+            _mark_exact(message.content, parts, cache, content_where)
         turns.append(Turn(fields, parts))
     return Conversation(turns, [tool_of(t, f"tools[{i}]") for i, t in enumerate(tools or [])])
 
 
+def _mark_exact(content: list, parts: list, cache: PromptCacheFields, where: str) -> None:
+    """Puts each part's prompt_cache_breakpoint on it as a token-exact mark."""
+    for j, block in enumerate(content):
+        at = f"{where}[{j}]"
+        mark = cache.mark((block.model_extra or {}).get("prompt_cache_breakpoint"), at)
+        if mark is None:
+            continue
+        if parts[j].cache_control is not None:
+            raise CacheControlError(f"{at} has both cache_control and prompt_cache_breakpoint; "
+                                    "mark it with one", param=f"{at}.prompt_cache_breakpoint")
+        parts[j].cache_control = mark
+
+
 def openai_conversation(body: Any) -> Conversation:
     """A chat-completions body's conversation."""
-    return chat_conversation(body.messages, body.tools)
+    cache = prompt_cache_fields(body.prompt_cache_key, body.prompt_cache_options,
+                                body.prompt_cache_retention)
+    return chat_conversation(body.messages, body.tools, cache)
 
 
 CHAT = register_chat_kind(ChatKind("chat", ChatCompletionRequest, openai_conversation, {"messages": []}))

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefixserve.entrypoints.server.fields import Shape, Unsupported
+from prefixserve.entrypoints.server.prompt_cache_fields import BREAKPOINT_KEYS, OPTIONS_KEYS
 from prefixserve.entrypoints.server.protocol import DiagnoseFields, StrictModel
 from prefixserve.entrypoints.server.usage import TokenUsage
 from prefixserve.sampling_params import SamplingParams
@@ -94,8 +95,13 @@ class CompletionRequest(_GenerationRequest):
     best_of: Optional[int] = None
     # as on chat completions (one parser: tools.py response_format_of)
     response_format: Optional[dict[str, Any]] = None
+    # OpenAI's caching fields as on chat completions (prompt_cache_fields.py); a text prompt has
+    # no marks, so explicit mode writes nothing and retention has nothing to pin
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
+    prompt_cache_retention: Optional[str] = None
     field_keys: ClassVar[dict[str, Shape]] = {
-        "response_format": RESPONSE_FORMAT_KEYS}
+        "response_format": RESPONSE_FORMAT_KEYS, "prompt_cache_options": OPTIONS_KEYS}
 
 
 FUNCTION_KEYS: Shape = {"name": None, "arguments": None}
@@ -107,9 +113,10 @@ class ContentPart(StrictModel):
     model_config = ConfigDict(strict=True, extra="allow")
     known_extra: ClassVar[frozenset[str]] = frozenset({
         "image_url", "input_audio", "file", "refusal",
-        # ignored: OpenAI's own breakpoint hint; prefixserve's is cache_control
+        # OpenAI's token-exact breakpoint (prompt_cache_fields.py), read when the conversation is built
         "prompt_cache_breakpoint"})
     field_keys: ClassVar[dict[str, Shape]] = {
+        "prompt_cache_breakpoint": BREAKPOINT_KEYS,
         "image_url": {"url": None, "detail": None}, "input_audio": {"data": None, "format": None},
         "file": {"file_data": None, "file_id": None, "filename": None}}
     type: str
@@ -151,6 +158,7 @@ class ChatCompletionRequest(_GenerationRequest):
                   "function": {"name": None, "description": None, "parameters": None, "strict": None}},
         "tool_choice": {"type": None, "function": {"name": None}},
         "response_format": RESPONSE_FORMAT_KEYS,
+        "prompt_cache_options": OPTIONS_KEYS,
     }
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = None
@@ -173,7 +181,9 @@ class ChatCompletionRequest(_GenerationRequest):
     store: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
     service_tier: Optional[str] = None
+    # OpenAI's caching fields, mapped by prompt_cache_fields.py (checked there, naming the field)
     prompt_cache_key: Optional[str] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
     prompt_cache_retention: Optional[str] = None
     safety_identifier: Optional[str] = None
     reasoning_effort: Optional[str] = None
@@ -210,7 +220,7 @@ class DetokenizeRequest(StrictModel):
 class PromptTokensDetails(BaseModel):
     # Prompt tokens read from the prefix cache.
     cached_tokens: int
-    # Prompt tokens this request computed and pinned through cache_control (block-aligned).
+    # Prompt tokens this request computed and pinned at its marks (usage.py says exactly which).
     cache_write_tokens: int = 0
 
 

@@ -25,7 +25,7 @@ class PinPlan:
     @property
     def pins(self) -> list[CachePin]:
         # A breakpoint before the first token (nothing precedes it) pins nothing.
-        return [CachePin(b.num_tokens, self._ttl_s(b), tenant=self.tenant)
+        return [CachePin(b.num_tokens, self._ttl_s(b), tenant=self.tenant, exact=b.exact)
                 for b in self.breakpoints if b.num_tokens > 0]
 
     def _ttl_s(self, b: Breakpoint) -> float:
@@ -54,7 +54,8 @@ class PinPlan:
 
     def warnings(self, output: RequestOutput) -> list[str]:
         """One line per pin the engine refused (logged, and sent as a response header)."""
-        lines = [f"cache_control at {b.where} was not pinned: {result.error}"
+        lines = [f"{'prompt_cache_breakpoint' if b.exact else 'cache_control'} at {b.where} "
+                 f"was not pinned: {result.error}"
                  for b, result in self._paired(output) if result is not None and result.error]
         for line in lines:
             logger.warning("request %s: %s", output.request_id, line)
