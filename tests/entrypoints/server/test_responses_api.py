@@ -232,8 +232,9 @@ def test_an_explicit_breakpoint_pins_the_prefix_up_to_it(client):
     first = client.responses.create(**ask, input=[{"role": "user", "content": [
         part, {"type": "input_text", "text": "First question?"}]}])
     written = first.usage.input_tokens_details.cache_write_tokens
-    assert written > 0 and written % BS == 0
+    assert written > 0
     second = client.responses.create(**ask, input=[{"role": "user", "content": [
         part, {"type": "input_text", "text": "Another question entirely?"}]}])
-    assert second.usage.input_tokens_details.cached_tokens >= written
+    # token-exact (not rounded to a block): the hit ends where the mark does
+    assert second.usage.input_tokens_details.cached_tokens == written
     assert second.usage.input_tokens_details.cache_write_tokens == 0

@@ -21,7 +21,7 @@ from prefixserve.entrypoints.server.errors import APIError, bad_request
 from prefixserve.entrypoints.server.pipeline import ChatPrompt, GenerationRequest, start
 from prefixserve.entrypoints.server.prompting.bodies import json_body
 from prefixserve.entrypoints.server.protocol import DiagnoseFields
-from prefixserve.entrypoints.server.responses.caching import check_cache_fields
+from prefixserve.entrypoints.server.prompt_cache_fields import PromptCacheFields, prompt_cache_fields
 from prefixserve.entrypoints.server.responses.events import ResponseFraming
 from prefixserve.entrypoints.server.responses.items import (chat_tool_choice, chat_tools_of, conversation_of,
                                                             normalize_input, response_format_of)
@@ -39,7 +39,7 @@ async def create_response(body: Annotated[ResponsesRequest, Depends(json_body(Re
                           request: Request) -> Response:
     state = get_state(request)
     tenant = principal(request).tenant
-    check_cache_fields(body)
+    cache = prompt_cache_fields(body.prompt_cache_key, body.prompt_cache_options, body.prompt_cache_retention)
     history: list[dict[str, Any]] = []
     previous = None
     if body.previous_response_id is not None:
@@ -54,12 +54,12 @@ async def create_response(body: Annotated[ResponsesRequest, Depends(json_body(Re
         raise bad_request(f"{len(history)} stored and {len(items)} new items; this server takes at most "
                           f"{state.config.max_messages} per request", param="input", code="too_many_messages")
     tools = chat_tools_of(body.tools)
-    conversation = conversation_of(body.instructions, history + items, tools)
+    conversation = conversation_of(body.instructions, history + items, tools, cache)
     if previous is not None and previous["turn"] is not None:
         state.turns.restore(state.namespace(request, body.cache_salt), previous["turn"]["text"],
                             previous["turn"]["ids"], tenant)
     try:
-        call = await start(request, _generation_request(body, conversation, tools))
+        call = await start(request, _generation_request(body, conversation, tools, cache))
     except (APIError, InvalidRequestError) as exc:
         if exc.param == "messages":  # the rendered conversation refused: here it is `input`
             exc.param = "input"
@@ -92,7 +92,7 @@ def _loggable(body: ResponsesRequest, conversation: Conversation, tools: list[di
 
 
 def _generation_request(body: ResponsesRequest, conversation: Conversation,
-                        tools: list[dict[str, Any]]) -> GenerationRequest:
+                        tools: list[dict[str, Any]], cache: PromptCacheFields) -> GenerationRequest:
     def sampling(chat_tools: ChatTools) -> SamplingParams:
         return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p,
@@ -112,7 +112,7 @@ def _generation_request(body: ResponsesRequest, conversation: Conversation,
             raise
 
     return GenerationRequest(
-        id_prefix="resp", param="input", model=body.model, cache_salt=body.cache_salt,
+        id_prefix="resp", param="input", cache=cache, model=body.model, cache_salt=body.cache_salt,
         priority=body.priority, diagnose=_diagnose_fields(body), prompt=ChatPrompt(conversation, None),
         sampling=sampling, renames={"max_tokens": "max_output_tokens"}, tools=build_tools)
 

@@ -16,7 +16,7 @@ import uuid
 from typing import Any, Optional, Union
 
 from prefixserve.entrypoints.server.errors import bad_request
-from prefixserve.entrypoints.server.responses.caching import part_breakpoint
+from prefixserve.entrypoints.server.prompt_cache_fields import PromptCacheFields
 from prefixserve.prompt import Conversation, Part, Tool, Turn
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -82,7 +82,7 @@ def _parts(content: Any, where: str) -> list[dict[str, Any]]:
             raise bad_request(f"{at}: only input_text and output_text parts are supported, got "
                               f"{str(kind)[:40]!r}", param=f"{at}.type", code="unsupported")
         text = _string(part, "text", at, allow_empty=True)
-        part_breakpoint(part.get("prompt_cache_breakpoint"), f"{at}.prompt_cache_breakpoint")
+        PromptCacheFields().mark(part.get("prompt_cache_breakpoint"), at)   # refused here, naming the part
         kept = {"type": part["type"], "text": text}
         if part.get("prompt_cache_breakpoint") is not None:
             kept["prompt_cache_breakpoint"] = part["prompt_cache_breakpoint"]
@@ -139,14 +139,14 @@ def _function_call_output(item: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def conversation_of(instructions: Optional[str], items: list[dict[str, Any]],
-                    tools: list[dict[str, Any]]) -> Conversation:
+                    tools: list[dict[str, Any]], cache: PromptCacheFields) -> Conversation:
     """The conversation the template renders: instructions as the system message, then the items."""
     turns: list[Turn] = []
     if instructions is not None:
         turns.append(Turn({"role": "system"}, [Part(instructions, None, "instructions")]))
     for item in items:
         if item["type"] == "message":
-            parts = [Part(p["text"], part_breakpoint(p.get("prompt_cache_breakpoint"), "input"), "input")
+            parts = [Part(p["text"], cache.mark(p.get("prompt_cache_breakpoint"), "input"), "input")
                      for p in item["content"]]
             turns.append(Turn({"role": ROLES[item["role"]]}, parts))
         elif item["type"] == "function_call":

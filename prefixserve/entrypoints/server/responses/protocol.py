@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Any, ClassVar, Optional, Union
 
 from prefixserve.entrypoints.server.fields import Shape, Unsupported
+from prefixserve.entrypoints.server.prompt_cache_fields import BREAKPOINT_KEYS, OPTIONS_KEYS
 from prefixserve.entrypoints.server.protocol import DiagnoseFields, StrictModel
 
 # image and file parts are known, so that they are refused as unsupported parts, not unknown keys
 PART_KEYS: Shape = {"type": None, "text": None, "annotations": None, "logprobs": None,
-                    "prompt_cache_breakpoint": {"mode": None}, "image_url": None, "file_id": None,
+                    "prompt_cache_breakpoint": BREAKPOINT_KEYS, "image_url": None, "file_id": None,
                     "detail": None, "file_data": None, "file_url": None, "filename": None}
 ITEM_KEYS: Shape = {"type": None, "id": None, "status": None, "role": None, "content": PART_KEYS,
                     "call_id": None, "name": None, "arguments": None, "output": PART_KEYS,
@@ -62,7 +63,7 @@ class ResponsesRequest(DiagnoseFields):
         "input": ITEM_KEYS,
         "tools": TOOL_KEYS,
         "tool_choice": {"type": None, "name": None},
-        "prompt_cache_options": {"mode": None, "ttl": None},
+        "prompt_cache_options": OPTIONS_KEYS,
     }
     model: Optional[str] = None
     input: Union[str, list[dict[str, Any]], None] = None
@@ -86,7 +87,7 @@ class ResponsesRequest(DiagnoseFields):
     service_tier: Optional[str] = None
     truncation: Optional[str] = None
     include: Optional[list[str]] = None
-    # OpenAI's caching parameters (responses/caching.py).
+    # OpenAI's caching parameters, mapped as on chat completions (prompt_cache_fields.py).
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Optional[str] = None
     prompt_cache_options: Optional[dict[str, Any]] = None
