@@ -89,9 +89,11 @@ class LLMEngine:
         ), self.kv, clock=clock)
         self.runner = ModelRunner(self.loaded, block_size=config.block_size, num_blocks=num_blocks,
                                   vocab_limit=self.tokenizer.vocab_size, seed=config.seed,
-                                  kv_layout=config.kv_layout)
+                                  kv_layout=config.kv_layout, encoder_cache_bytes=config.encoder_cache_bytes)
         self.intake = Intake(self.tokenizer, vocab_size=self.model_config.vocab_size,
-                             max_model_len=self.max_model_len, clock=clock, grammar_compiler=grammar_compiler)
+                             max_model_len=self.max_model_len, clock=clock, grammar_compiler=grammar_compiler,
+                             vision=self.model_config.vision,
+                             max_images_per_prompt=config.limit_mm_per_prompt.get("image"))
         self.groups = SampleGroups(self.tokenizer, self.device)
         self.output_processor = OutputProcessor(self.scheduler, self.groups)
         self.isolation = FailureIsolation(self.scheduler, self.runner, self.kv, self.groups, self.output_processor)

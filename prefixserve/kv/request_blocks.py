@@ -1,6 +1,8 @@
 """What the KV manager knows about one request."""
 from __future__ import annotations
 
+from typing import Optional
+
 from prefixserve.kv.hashing import BlockHash
 
 
@@ -15,10 +17,10 @@ class RequestBlocks:
     """
 
     __slots__ = ("table", "hashes", "canon", "canon_gen", "extras_first", "extras_rest",
-                 "priority")
+                 "priority", "special")
 
     def __init__(self, table: list[int], extras_first: bytes, extras_rest: bytes,
-                 priority: int) -> None:
+                 priority: int, special: Optional[dict[int, bytes]] = None) -> None:
         self.table = table
         self.hashes: list[BlockHash] = []
         self.canon: list[int] = []
@@ -26,10 +28,12 @@ class RequestBlocks:
         self.extras_first = extras_first
         self.extras_rest = extras_rest
         self.priority = priority
+        # encoded keys of the blocks an image overlaps (kv/hashing.py special_block_extras)
+        self.special = special or {}
 
     def fork(self) -> RequestBlocks:
         child = RequestBlocks(list(self.table), self.extras_first, self.extras_rest,
-                              self.priority)
+                              self.priority, self.special)
         child.hashes = list(self.hashes)
         child.canon = list(self.canon)
         child.canon_gen = list(self.canon_gen)
