@@ -149,6 +149,9 @@ class EngineStats:
     num_seats: int = 0
     # one KVStoreStats (kv/stores/stats.py) per configured KV store, fastest first
     kv_stores: tuple = ()
+    # a vision-language model's: images the vision tower encoded, images served from the encoder cache
+    encoder_runs: int = 0
+    encoder_cache_hits: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
