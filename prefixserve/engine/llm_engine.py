@@ -115,7 +115,8 @@ class LLMEngine:
             device=str(next(self.loaded.model.parameters()).device), block_size=config.block_size,
             max_model_len=self.max_model_len, num_kv_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching, kernels=self.runner.kernels,
-            kv_store_scope=self.kv_store_scope or "", kv_layout=self.runner.kv_layout)
+            kv_store_scope=self.kv_store_scope or "", kv_layout=self.runner.kv_layout,
+            takes_images=self.model_config.vision is not None)
         logger.info("dtype %s (%s), KV pool in %s", self.info.dtype, self.info.dtype_reason, self.info.kv_layout)
 
     def _default_num_blocks(self) -> int:

@@ -80,6 +80,8 @@ class EngineInfo:
     kv_store_scope: str = ""
     # how the KV pool holds K/V: "rows" or "panels" (model/kv_layout.py)
     kv_layout: str = "rows"
+    # whether prompts may carry images (a vision-language model)
+    takes_images: bool = False
 
 
 @dataclass

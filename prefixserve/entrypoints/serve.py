@@ -10,6 +10,7 @@ from prefixserve.engine.config import EngineConfig
 from prefixserve.entrypoints.engine_args import add_engine_args, byte_size, engine_config_from_args, say_if_random
 from prefixserve.entrypoints.server.auth import KeyTable
 from prefixserve.entrypoints.server.config import ServerConfig
+from prefixserve.entrypoints.server.media import MediaConfig
 from prefixserve.entrypoints.serve_replicas import add_replica_args, run_replicated, wants_replicas
 
 DEFAULT_MAX_WAITING = ServerConfig.max_waiting
@@ -78,6 +79,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                         "this: bytes, or with a unit (64MiB) (default: %(default)s)")
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"), help="least severe log lines shown")
+    m = p.add_argument_group("images")
+    m.add_argument("--allowed-media-domains", default="", metavar="HOST,...",
+                   help="hosts whose http(s) image URLs the server fetches (default: none; data: URLs and "
+                        "base64 images are always taken)")
+    m.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="folder whose files file: image URLs may name (default: none)")
+    m.add_argument("--media-fetch-timeout", type=float, default=MediaConfig.fetch_timeout_s, metavar="SECONDS",
+                   help="timeout of one image fetch (default: %(default)s)")
+    m.add_argument("--max-image-bytes", type=byte_size, default=MediaConfig.max_image_bytes, metavar="SIZE",
+                   help="encoded size of one image at most (default: 20MiB)")
+    m.add_argument("--max-image-pixels", type=int, default=MediaConfig.max_image_pixels,
+                   help="decoded pixels of one image at most, checked before decoding (default: %(default)s)")
     add_replica_args(p)
     p.set_defaults(func=run)
 
@@ -101,7 +114,13 @@ def run(args: argparse.Namespace) -> int:
                                  max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
                                  offload_body_bytes=args.offload_body_bytes,
                                  request_log=args.request_log,
-                                 request_log_max_bytes=args.request_log_max_bytes)
+                                 request_log_max_bytes=args.request_log_max_bytes,
+                                 media=MediaConfig(
+                                     allowed_domains=tuple(d for d in args.allowed_media_domains.split(",") if d),
+                                     allowed_local_path=args.allowed_local_media_path,
+                                     fetch_timeout_s=args.media_fetch_timeout, max_image_bytes=args.max_image_bytes,
+                                     max_image_pixels=args.max_image_pixels,
+                                     max_images=args.limit_mm_per_prompt.get("image")))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.max_pinned_fraction_per_tenant = tenant_pin_share(args.max_pinned_fraction,

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from prefixserve.entrypoints.server.auth import KeyTable
+from prefixserve.entrypoints.server.media import MediaConfig
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class ServerConfig:
     # (request_log.py); None: no log. It rotates to PATH.1 before passing request_log_max_bytes.
     request_log: Optional[str] = None
     request_log_max_bytes: int = 64 * 2**20
+    # where image parts may come from and how large they may be (media.py)
+    media: MediaConfig = MediaConfig()
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
