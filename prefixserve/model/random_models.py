@@ -32,7 +32,7 @@ RANDOM_PRESETS: dict[str, ModelConfig] = {
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=3072,
         rms_norm_eps=1e-6, rope_theta=1e6, rope_scaling=None, max_position_embeddings=40960,
         tie_word_embeddings=True, attention_bias=False, qk_norm=True),
-    # Qwen2.5-VL of tiny shapes: an image of at most 28*28*64 pixels is at most 64 tokens
+    # Qwen2.5-VL of tiny shapes, with the image processor's default bounds (up to 1280 tokens an image)
     "qwen2.5-vl-tiny": ModelConfig(
         architecture="qwen2", vocab_size=BUILTIN_VISION_VOCAB, hidden_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
@@ -40,7 +40,7 @@ RANDOM_PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=True, attention_bias=True, qk_norm=False,
         vision=VisionConfig(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                             fullatt_block_indexes=(1, 3), window_size=56, mrope_section=(2, 3, 3),
-                            max_pixels=28 * 28 * 64, **_VISION_IDS)),
+                            **_VISION_IDS)),
     # The shapes of Qwen/Qwen2.5-VL-3B-Instruct, with the built-in tokenizer's vision token ids.
     "qwen2.5-vl-3b": ModelConfig(
         architecture="qwen2", vocab_size=151936, hidden_size=2048, num_hidden_layers=36,

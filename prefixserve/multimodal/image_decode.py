@@ -34,7 +34,10 @@ def decode_image(data: bytes | Image.Image, *, param: str, media_type: str | Non
                 # Pillow's own bomb check warns or raises at sizes of its choosing; ours comes first
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
                 image = Image.open(io.BytesIO(bytes(data)))
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        except UnidentifiedImageError:
+            raise InvalidRequestError("cannot decode the image: not an image format Pillow reads",
+                                      param=param) from None
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise InvalidRequestError(f"cannot decode the image: {e}", param=param) from None
         if media_type is not None and image.format != MEDIA_TYPES[media_type.lower()]:
             raise InvalidRequestError(f"the image is {image.format}, not the {media_type} it was sent as",
