@@ -13,7 +13,7 @@ from prefixserve.engine.outputs import CachePin
 from prefixserve.errors import InvalidRequestError
 from prefixserve.model.vision_config import VisionConfig
 from prefixserve.multimodal import MultimodalPrompt
-from prefixserve.multimodal.prompt import expand_prompt, prepare_images
+from prefixserve.multimodal.prompt import PreparedImages, expand_prompt, prepare_images
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.scheduler import Request
 from prefixserve.structured.constraint import Constraint
@@ -77,16 +77,35 @@ class Intake:
         if not isinstance(data, dict) or set(data) - {"image"}:
             raise InvalidRequestError("multi_modal_data must be a dict with an 'image' entry", param=param)
         images = data.get("image")
-        images = images if isinstance(images, (list, tuple)) else [images]
         if self.vision is None:
             raise InvalidRequestError("this model takes no images", param=param)
-        limit = self.max_images_per_prompt
-        if limit is not None and len(images) > limit:
-            raise InvalidRequestError(f"{len(images)} images in one prompt; at most {limit} allowed",
-                                      param=f"{param}.image")
         vision = self.vision
-        prepared = prepare_images(images, vision, param=f"{param}.image")
+        if isinstance(images, PreparedImages):
+            prepared = list(images.items)
+            self._check_count(len(prepared))
+        else:
+            images = images if isinstance(images, (list, tuple)) else [images]
+            self._check_count(len(images))
+            prepared = prepare_images(images, vision, param=f"{param}.image")
         return lambda token_ids: expand_prompt(token_ids, prepared, vision, param=f"{param}.image")
+
+    def _check_count(self, count: int) -> None:
+        limit = self.max_images_per_prompt
+        if limit is not None and count > limit:
+            raise InvalidRequestError(f"{count} images in one prompt; at most {limit} allowed",
+                                      param="multi_modal_data.image")
+
+    def prepare_images(self, prompt: PromptInput) -> PromptInput:
+        """The prompt with its images decoded, processed and hashed now (PreparedImages), so that
+        adding it does none of that; thread-safe. A prompt without images comes back as it is."""
+        if not isinstance(prompt, dict) or not isinstance(prompt.get("multi_modal_data"), dict) \
+                or isinstance(prompt["multi_modal_data"].get("image"), PreparedImages) or self.vision is None:
+            return prompt
+        images = prompt["multi_modal_data"].get("image")
+        images = images if isinstance(images, (list, tuple)) else [images]
+        self._check_count(len(images))
+        prepared = prepare_images(images, self.vision, param="multi_modal_data.image")
+        return {**prompt, "multi_modal_data": {**prompt["multi_modal_data"], "image": PreparedImages(tuple(prepared))}}
 
     def compile_grammar(self, params: SamplingParams) -> Optional[Constraint]:
         """The grammar of params.structured compiled for add_request(grammar=...); None without

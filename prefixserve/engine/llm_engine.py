@@ -136,6 +136,10 @@ class LLMEngine:
     def compile_grammar(self, params: SamplingParams) -> Optional[Constraint]:
         return self.intake.compile_grammar(params)
 
+    def prepare_images(self, prompt: PromptInput) -> PromptInput:
+        """The prompt with its images decoded, resized, patched and hashed; any thread may call it."""
+        return self.intake.prepare_images(prompt)
+
     def add_request(self, request_id: str, prompt: PromptInput,
                     params: Optional[SamplingParams] = None, *, cache_salt: Optional[str] = None,
                     priority: int = 0, arrival_time: Optional[float] = None,

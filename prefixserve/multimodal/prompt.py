@@ -2,6 +2,7 @@
 expanded to its image's number of tokens, and the images, hashes and positions that go with it."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 from prefixserve.errors import InvalidRequestError
@@ -14,6 +15,13 @@ from prefixserve.multimodal.processor import ProcessedImage, process_image
 
 # what a prompt's text holds where an image goes (the Qwen2-VL chat template's form)
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@dataclass(frozen=True)
+class PreparedImages:
+    """A prompt's images already decoded, processed and hashed (prepare_images), so whoever adds the
+    request does none of that work: AsyncLLM prepares them off the engine thread."""
+    items: tuple[tuple[bytes, ProcessedImage], ...]
 
 
 def prepare_images(images: Sequence[object], vision: VisionConfig, *, param: str,
