@@ -159,7 +159,7 @@ class LLMEngine:
             arrival_time=arrival_time, cache_pins=cache_pins, grammar=grammar)
         self.scheduler.add_request(req)
         self.groups.add(Group(request_id, text, req.prompt_token_ids, params, req.cache_salt, req.arrival_time,
-                              cache_pins=tuple(cache_pins), grammar=constraint))
+                              cache_pins=tuple(cache_pins), grammar=constraint, image_spans=req.image_spans))
 
     def abort_request(self, request_ids: Union[str, Sequence[str]]) -> None:
         """Aborts requests (all their samples); every block they held is freed at once."""

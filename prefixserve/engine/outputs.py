@@ -117,6 +117,8 @@ class RequestOutput:
     cache_salt: Optional[str] = None
     error: Optional[str] = None
     pins: list[PinResult] = field(default_factory=list)
+    # (content hash, first token, number of tokens) of each image in prompt_token_ids
+    image_spans: tuple = ()
 
 
 @dataclass

@@ -133,3 +133,28 @@ def test_bad_image_is_a_400_naming_the_field(http: httpx.Client, case: str, tmp_
     error = r.json()["error"]
     assert error["param"] == ("messages" if case == "too many images" else field), error
     assert chat(http, [image_part(data_url(png))]).status_code == 200
+
+
+def test_the_diagnosis_names_a_changed_picture(http: httpx.Client) -> None:
+    """Two requests whose text is equal and whose picture differs: their token ids are equal, yet the
+    diagnosis finds them diverging at the picture's first token, in the image part, and says why."""
+    def ask(image: Image.Image) -> dict:
+        r = http.post("/v1/chat/completions", json={
+            "model": MODEL, "max_tokens": 2, "temperature": 0, "prefixserve": {"diagnose": True},
+            "messages": [{"role": "system", "content": "You describe pictures for a catalogue, briefly."},
+                         {"role": "user", "content": [{"type": "text", "text": "Item 7:"},
+                                                      image_part(data_url(encoded(image))),
+                                                      {"type": "text", "text": "Describe it."}]}]})
+        assert r.status_code == 200, r.text
+        return r.json()
+    ask(picture(30))
+    same = ask(picture(30))["prefixserve"]["diagnosis"]
+    other = ask(picture(31))
+    diagnosis = other["prefixserve"]["diagnosis"]
+    assert same["note"] != diagnosis["note"]
+    assert "picture" in diagnosis["note"]
+    assert "message 1" in diagnosis["part"]   # the user turn holding the picture
+    assert diagnosis["current_text"].startswith("<image>")
+    # the divergence is the picture's first token: everything before it was shared
+    assert diagnosis["shared_tokens"] == diagnosis["divergence_position"]
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == diagnosis["divergence_position"] // 16 * 16
