@@ -190,8 +190,10 @@ class ModelRunner:
             if program is not None and program.applies(inputs.attn_metadata, inputs.input_ids.numel()):
                 hidden = program.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
             else:
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata,
-                                    inputs_embeds=inputs.inputs_embeds, rope_positions=inputs.rope_positions)
+                # a text model's forward is called as it always was; a vision-language one's with its images
+                extra = ({} if inputs.rope_positions is None else
+                         {"inputs_embeds": inputs.inputs_embeds, "rope_positions": inputs.rope_positions})
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, **extra)
             if not inputs.num_logit_rows:
                 return SampleResult(token_ids=[])
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))
