@@ -159,6 +159,10 @@ class ReplicatedLLM:
             # Its get, use and delete would be refused here: it must not be created (and pinned)
             # on whichever replica the router picks.
             raise InvalidRequestError(_NO_CONTENTS, code="not_supported")
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            # the replicas are handed token ids only: an image would be dropped, its placeholder read as text
+            raise InvalidRequestError("images are not served under --replicas yet", param="multi_modal_data",
+                                      code="not_supported")
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             token_ids = list(prompt["prompt_token_ids"])
         else:
