@@ -23,9 +23,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", action="append", choices=[d for d in DTYPES if d != "auto"],
                    help="repeatable: the whole benchmark runs once per dtype, each against the machine's limits "
                         "measured in that dtype (default: float32)")
-    p.add_argument("--workload", action="append", choices=WORKLOAD_NAMES + STORE_WORKLOADS, metavar="NAME",
+    p.add_argument("--workload", action="append", choices=WORKLOAD_NAMES + STORE_WORKLOADS + ("image-qa",),
+                   metavar="NAME",
                    help=f"repeatable; default: all of {', '.join(WORKLOAD_NAMES)}; the KV store workloads "
-                        f"{', '.join(STORE_WORKLOADS)} run only when named (prefixserve/benchmarks/kv_store_bench.py)")
+                        f"{', '.join(STORE_WORKLOADS)} run only when named (prefixserve/benchmarks/kv_store_bench.py); "
+                        f"image-qa runs alone, on a random:qwen2.5-vl-* model (prefixserve/benchmarks/image_qa.py)")
     p.add_argument("--engine", action="append", choices=ENGINE_NAMES, metavar="NAME",
                    help=f"repeatable; default: all of {', '.join(ENGINE_NAMES)}")
     p.add_argument("--quick", action="store_true", help="small workloads (a few minutes on 2 cores)")
@@ -45,6 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
+    if args.workload and "image-qa" in args.workload:
+        return _run_image_qa(args)
     store_workloads = tuple(w for w in args.workload or () if w in STORE_WORKLOADS)
     if store_workloads:
         return _run_store_workloads(args, store_workloads,
@@ -76,6 +80,18 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text("\n\n".join(texts) + "\n")
+    return 0
+
+
+def _run_image_qa(args: argparse.Namespace) -> int:
+    """image-qa runs on its own: it needs a vision-language model (default random:qwen2.5-vl-tiny)."""
+    from prefixserve.benchmarks.image_qa import image_qa_markdown
+    model = args.model if args.model.startswith("random:qwen2.5-vl") else "random:qwen2.5-vl-tiny"
+    text = image_qa_markdown(model, args.quick, args.threads, args.seed)
+    print(text)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text + "\n")
     return 0
 
 

@@ -7,6 +7,7 @@ extension object. Memory is bounded: only the last `max_requests` requests are r
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
@@ -15,6 +16,12 @@ from prefixserve.diagnose.divergence import ClosestPrefixIndex, describe_diverge
 from prefixserve.prompt import Span, common_prefix_len
 
 SpanLike = Union[Span, tuple[str, int, int]]   # a Span, or (part label, start, end)
+ImageSpan = tuple[bytes, int, int]              # (content hash, first token, number of tokens)
+# how a run of image tokens reads in a diagnosis's text
+IMAGE_TEXT = "<image>"
+CHANGED_IMAGE = ("the picture at this position differs from the earlier request's (another picture, or the "
+                 "same picture at another size or encoding): the cache forks at the block holding its first "
+                 "token, and every block after it is computed again")
 
 
 @dataclass
@@ -53,12 +60,15 @@ class MissExplainer:
     def explain(self, request_id: str, token_ids: Sequence[int], *,
                 cache_salt: Optional[str] = None, num_cached_tokens: int = 0,
                 spans: Optional[Sequence[SpanLike]] = None,
-                diagnose_against: Optional[str] = None, remember: bool = True) -> Diagnosis:
+                diagnose_against: Optional[str] = None, remember: bool = True,
+                images: Sequence[ImageSpan] = ()) -> Diagnosis:
         """Diagnoses a request against the remembered request sharing the longest token prefix
-        with it (same salt), or against `diagnose_against` if given; then remembers it."""
+        with it (same salt), or against `diagnose_against` if given; then remembers it. images:
+        where the prompt's images are, so that two prompts differing only in a picture diverge
+        there (their token ids alone are equal)."""
         if not token_ids:
             raise ValueError(f"request {request_id!r}: token_ids is empty")
-        tokens = list(token_ids)
+        tokens = keyed_tokens(token_ids, images)
         own_spans = [_as_tuple(s) for s in spans] if spans else []
         with self._lock:
             note = None
@@ -87,13 +97,13 @@ class MissExplainer:
         return diagnosis
 
     def remember(self, request_id: str, token_ids: Sequence[int], *,
-                 cache_salt: Optional[str] = None) -> None:
+                 cache_salt: Optional[str] = None, images: Sequence[ImageSpan] = ()) -> None:
         """Remembers a request without diagnosing it (what explain(remember=True) stores, minus
         the search and decoding a diagnosis costs)."""
         if not token_ids:
             raise ValueError(f"request {request_id!r}: token_ids is empty")
         with self._lock:
-            self._index.add(request_id, list(token_ids), cache_salt)
+            self._index.add(request_id, keyed_tokens(token_ids, images), cache_salt)
             self._spans.pop(request_id, None)
             self._spans = {rid: s for rid, s in self._spans.items() if rid in self._index}
 
@@ -111,14 +121,50 @@ class MissExplainer:
                                 lambda p: _part_at(spans, p), lambda p: _part_at(earlier_spans, p),
                                 earlier_id)
         position = lcp if lcp < len(tokens) else None
+        if position is None:
+            note: Optional[str] = "this request is a prefix of the earlier one"
+        elif tokens[position] < 0 or (position < len(earlier) and earlier[position] < 0):
+            note = CHANGED_IMAGE
+        else:
+            note = None
         return Diagnosis(request_id, len(tokens), cached, earlier_id, lcp, position,
-                         d.part if position is not None else None, d.current_text, d.earlier_text,
-                         None if position is not None else "this request is a prefix of the earlier one")
+                         d.part if position is not None else None, d.current_text, d.earlier_text, note)
 
     def _text(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        if self._decode is None:
-            return " ".join(str(t) for t in ids)
-        return self._decode(ids, skip_special_tokens=skip_special_tokens)
+        out = []
+        for is_image, run in itertools.groupby(ids, key=lambda t: t < 0):
+            if is_image:
+                out.append(IMAGE_TEXT)
+            elif self._decode is None:
+                out.append(" ".join(str(t) for t in run))
+            else:
+                out.append(self._decode(list(run), skip_special_tokens=skip_special_tokens))
+        return ("" if self._decode is not None else " ").join(out)
+
+
+def keyed_tokens(token_ids: Sequence[int], images: Sequence[ImageSpan]) -> list[int]:
+    """The token ids with each image token replaced by a negative key of (its image's hash, its index in
+    the image): no token id, and equal only for the same picture at the same place."""
+    keyed = list(token_ids)
+    for digest, start, length in images:
+        base = int.from_bytes(digest[:6], "little") << 16
+        for k in range(length):
+            keyed[start + k] = -1 - (base | min(k, 0xFFFF))
+    return keyed
+
+
+def expanded_spans(spans: Sequence[SpanLike], images: Sequence[ImageSpan]) -> list[tuple[str, int, int]]:
+    """Spans located on a rendered prompt whose images are one placeholder token each, moved onto the
+    prompt whose images are expanded to their tokens (what the engine ran)."""
+    placeholders = []   # (placeholder position in the rendered prompt, tokens it grew by)
+    grown = 0
+    for _, start, length in sorted(images, key=lambda i: i[1]):
+        placeholders.append((start - grown, length - 1))
+        grown += length - 1
+
+    def moved(position: int) -> int:
+        return position + sum(extra for at, extra in placeholders if at < position)
+    return [(label, moved(start), moved(end)) for label, start, end in map(_as_tuple, spans)]
 
 
 def _as_tuple(span: SpanLike) -> tuple[str, int, int]:

@@ -207,6 +207,9 @@ class AsyncLLM:
                 raise EngineDeadError("the engine is shutting down") from None
             # Raises InvalidRequestError when the grammar cannot be compiled: nothing is queued.
             grammar = await compiling
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            # images are decoded, resized and hashed here, never on the engine thread or the event loop
+            prompt = await loop.run_in_executor(self._compiler, self.engine.prepare_images, prompt)
         stream = RequestStream(request_id, loop)
         accepted: concurrent.futures.Future[None] = concurrent.futures.Future()
 

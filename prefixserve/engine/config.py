@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from prefixserve.kv.config import EVICTION_POLICIES, HASH_ALGOS
@@ -68,6 +68,10 @@ class EngineConfig:
     kv_store_write: str = "back"
     # Bytes of blocks waiting for the background writer; beyond it blocks are dropped.
     kv_store_queue_bytes: int = 256 * 1024**2
+    # Most items of each kind one prompt may carry ({"image": 4}); a kind not named is not limited.
+    limit_mm_per_prompt: dict = field(default_factory=dict)
+    # Bytes of vision-tower outputs kept by image content hash (worker/encoder_cache.py).
+    encoder_cache_bytes: int = 256 * 1024**2
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -100,6 +104,13 @@ class EngineConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         _check_kv_stores(self)
+        limits = self.limit_mm_per_prompt
+        if not isinstance(limits, dict) or any(k != "image" or isinstance(v, bool) or not isinstance(v, int)
+                                               or v < 0 for k, v in limits.items()):
+            raise ValueError(f"limit_mm_per_prompt must map 'image' to an int >= 0, got {limits!r}")
+        if isinstance(self.encoder_cache_bytes, bool) or not isinstance(self.encoder_cache_bytes, int) \
+                or self.encoder_cache_bytes < 0:
+            raise ValueError(f"encoder_cache_bytes must be an int >= 0, got {self.encoder_cache_bytes!r}")
 
 
 def _check_kv_stores(config: EngineConfig) -> None:

@@ -11,6 +11,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from prefixserve.engine.outputs import CachePin
 from prefixserve.errors import InvalidRequestError
+from prefixserve.model.vision_config import VisionConfig
+from prefixserve.multimodal import MultimodalPrompt
+from prefixserve.multimodal.prompt import PreparedImages, expand_prompt, prepare_images
 from prefixserve.sampling_params import SamplingParams
 from prefixserve.scheduler import Request
 from prefixserve.structured.constraint import Constraint
@@ -22,9 +25,13 @@ PromptInput = Union[str, list[int], dict[str, Any]]
 
 class Intake:
     def __init__(self, tokenizer: Tokenizer, *, vocab_size: int, max_model_len: int,
-                 clock: Callable[[], float], grammar_compiler: Optional[GrammarCompiler] = None) -> None:
+                 clock: Callable[[], float], grammar_compiler: Optional[GrammarCompiler] = None,
+                 vision: Optional[VisionConfig] = None, max_images_per_prompt: Optional[int] = None) -> None:
         """vocab_size: the model's (prompt token ids must lie below it); grammar_compiler: None
-        builds one from the tokenizer on the first structured request."""
+        builds one from the tokenizer on the first structured request; vision: a vision-language
+        model's image settings (None: prompts with images are refused)."""
+        self.vision = vision
+        self.max_images_per_prompt = max_images_per_prompt
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -36,7 +43,7 @@ class Intake:
         """Returns (prompt text, prompt token ids, cache salt) for any accepted prompt form."""
         salt = None
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"}
             if unknown:
                 raise InvalidRequestError(f"unknown prompt fields: {sorted(unknown)}")
             salt = prompt.get("cache_salt")
@@ -59,6 +66,46 @@ class Intake:
                     raise InvalidRequestError(f"prompt token id {t!r} is not in [0, {vocab})")
             return None, list(prompt), salt
         raise InvalidRequestError(f"a prompt must be a string, token ids or a dict, got {type(prompt).__name__}")
+
+    def images(self, prompt: PromptInput) -> Optional[Callable[[list[int]], tuple[list[int], MultimodalPrompt]]]:
+        """For a prompt with multi_modal_data: its images decoded and processed now, and what expands its
+        tokens with them; None for a prompt without images."""
+        if not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None:
+            return None
+        param = "multi_modal_data"
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise InvalidRequestError("multi_modal_data must be a dict with an 'image' entry", param=param)
+        images = data.get("image")
+        if self.vision is None:
+            raise InvalidRequestError("this model takes no images", param=param)
+        vision = self.vision
+        if isinstance(images, PreparedImages):
+            prepared = list(images.items)
+            self._check_count(len(prepared))
+        else:
+            images = images if isinstance(images, (list, tuple)) else [images]
+            self._check_count(len(images))
+            prepared = prepare_images(images, vision, param=f"{param}.image")
+        return lambda token_ids: expand_prompt(token_ids, prepared, vision, param=f"{param}.image")
+
+    def _check_count(self, count: int) -> None:
+        limit = self.max_images_per_prompt
+        if limit is not None and count > limit:
+            raise InvalidRequestError(f"{count} images in one prompt; at most {limit} allowed",
+                                      param="multi_modal_data.image")
+
+    def prepare_images(self, prompt: PromptInput) -> PromptInput:
+        """The prompt with its images decoded, processed and hashed now (PreparedImages), so that
+        adding it does none of that; thread-safe. A prompt without images comes back as it is."""
+        if not isinstance(prompt, dict) or not isinstance(prompt.get("multi_modal_data"), dict) \
+                or isinstance(prompt["multi_modal_data"].get("image"), PreparedImages) or self.vision is None:
+            return prompt
+        images = prompt["multi_modal_data"].get("image")
+        images = images if isinstance(images, (list, tuple)) else [images]
+        self._check_count(len(images))
+        prepared = prepare_images(images, self.vision, param="multi_modal_data.image")
+        return {**prompt, "multi_modal_data": {**prompt["multi_modal_data"], "image": PreparedImages(tuple(prepared))}}
 
     def compile_grammar(self, params: SamplingParams) -> Optional[Constraint]:
         """The grammar of params.structured compiled for add_request(grammar=...); None without
@@ -85,6 +132,11 @@ class Intake:
         constraint = grammar if grammar is not None else self.compile_grammar(params)
         text, token_ids, dict_salt = self.tokenize_prompt(prompt)
         salt = cache_salt if cache_salt is not None else dict_salt
+        mm = self.images(prompt)
+        if mm is not None:
+            token_ids, multimodal = mm(token_ids)
+        else:
+            multimodal = None
         if params.max_tokens is not None:
             max_tokens = params.max_tokens
         else:
@@ -100,6 +152,8 @@ class Intake:
             arrival_time=arrival_time if arrival_time is not None else self.clock(),
             cache_breakpoints=tuple(sorted({p.num_tokens for p in cache_pins if p.exact})),
             cache_write_limit=cache_write_limit,
+            image_spans=multimodal.image_spans if multimodal is not None else (),
+            multimodal=multimodal,
         )
         for pin in cache_pins:
             if not 0 < pin.num_tokens <= len(token_ids):

@@ -83,6 +83,7 @@ class KVStoreBridge:
         hit = loaded = 0
         while room > 1:
             lookup = self.kv.store_lookup(req.all_token_ids, cache_salt=req.cache_salt,
+                                          image_spans=req.image_spans,
                                           max_blocks=min(room - 1, _LOAD_BATCH_BLOCKS))
             if not loaded:
                 hit = len(lookup.prefix_ids)

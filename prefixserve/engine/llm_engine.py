@@ -89,9 +89,11 @@ class LLMEngine:
         ), self.kv, clock=clock)
         self.runner = ModelRunner(self.loaded, block_size=config.block_size, num_blocks=num_blocks,
                                   vocab_limit=self.tokenizer.vocab_size, seed=config.seed,
-                                  kv_layout=config.kv_layout)
+                                  kv_layout=config.kv_layout, encoder_cache_bytes=config.encoder_cache_bytes)
         self.intake = Intake(self.tokenizer, vocab_size=self.model_config.vocab_size,
-                             max_model_len=self.max_model_len, clock=clock, grammar_compiler=grammar_compiler)
+                             max_model_len=self.max_model_len, clock=clock, grammar_compiler=grammar_compiler,
+                             vision=self.model_config.vision,
+                             max_images_per_prompt=config.limit_mm_per_prompt.get("image"))
         self.groups = SampleGroups(self.tokenizer, self.device)
         self.output_processor = OutputProcessor(self.scheduler, self.groups)
         self.isolation = FailureIsolation(self.scheduler, self.runner, self.kv, self.groups, self.output_processor)
@@ -113,7 +115,8 @@ class LLMEngine:
             device=str(next(self.loaded.model.parameters()).device), block_size=config.block_size,
             max_model_len=self.max_model_len, num_kv_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching, kernels=self.runner.kernels,
-            kv_store_scope=self.kv_store_scope or "", kv_layout=self.runner.kv_layout)
+            kv_store_scope=self.kv_store_scope or "", kv_layout=self.runner.kv_layout,
+            takes_images=self.model_config.vision is not None)
         logger.info("dtype %s (%s), KV pool in %s", self.info.dtype, self.info.dtype_reason, self.info.kv_layout)
 
     def _default_num_blocks(self) -> int:
@@ -132,6 +135,10 @@ class LLMEngine:
 
     def compile_grammar(self, params: SamplingParams) -> Optional[Constraint]:
         return self.intake.compile_grammar(params)
+
+    def prepare_images(self, prompt: PromptInput) -> PromptInput:
+        """The prompt with its images decoded, resized, patched and hashed; any thread may call it."""
+        return self.intake.prepare_images(prompt)
 
     def add_request(self, request_id: str, prompt: PromptInput,
                     params: Optional[SamplingParams] = None, *, cache_salt: Optional[str] = None,
@@ -158,7 +165,7 @@ class LLMEngine:
             cache_write_limit=cache_write_limit)
         self.scheduler.add_request(req)
         self.groups.add(Group(request_id, text, req.prompt_token_ids, params, req.cache_salt, req.arrival_time,
-                              cache_pins=tuple(cache_pins), grammar=constraint))
+                              cache_pins=tuple(cache_pins), grammar=constraint, image_spans=req.image_spans))
 
     def abort_request(self, request_ids: Union[str, Sequence[str]]) -> None:
         """Aborts requests (all their samples); every block they held is freed at once."""

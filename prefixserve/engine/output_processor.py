@@ -104,7 +104,7 @@ class OutputProcessor:
         out = RequestOutput(
             request_id=gid, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
             num_cached_tokens=num_cached, outputs=outputs, finished=finished, metrics=metrics,
-            cache_salt=group.cache_salt, error=error, pins=list(group.pin_results))
+            cache_salt=group.cache_salt, error=error, pins=list(group.pin_results), image_spans=group.image_spans)
         if finished:
             for sid in group.samples:
                 self.scheduler.release(sid)
@@ -127,4 +127,4 @@ class OutputProcessor:
             request_id=gid, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
             num_cached_tokens=0, outputs=outputs, finished=True,
             metrics=RequestMetrics(arrival_time=group.arrival_time), cache_salt=group.cache_salt,
-            error=group.error, pins=list(group.pin_results))
+            error=group.error, pins=list(group.pin_results), image_spans=group.image_spans)

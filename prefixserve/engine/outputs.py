@@ -83,6 +83,8 @@ class EngineInfo:
     kv_store_scope: str = ""
     # how the KV pool holds K/V: "rows" or "panels" (model/kv_layout.py)
     kv_layout: str = "rows"
+    # whether prompts may carry images (a vision-language model)
+    takes_images: bool = False
 
 
 @dataclass
@@ -118,6 +120,8 @@ class RequestOutput:
     cache_salt: Optional[str] = None
     error: Optional[str] = None
     pins: list[PinResult] = field(default_factory=list)
+    # (content hash, first token, number of tokens) of each image in prompt_token_ids
+    image_spans: tuple = ()
 
 
 @dataclass
@@ -152,6 +156,9 @@ class EngineStats:
     num_seats: int = 0
     # one KVStoreStats (kv/stores/stats.py) per configured KV store, fastest first
     kv_stores: tuple = ()
+    # a vision-language model's: images the vision tower encoded, images served from the encoder cache
+    encoder_runs: int = 0
+    encoder_cache_hits: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -52,6 +52,7 @@ class Group:
     error: Optional[str] = None  # why the engine ended it when a step failed on it
     # Compiled once and never advanced: each sample's matcher is a fork of it.
     grammar: Optional[Constraint] = None
+    image_spans: tuple = ()   # the prompt's images (Request.image_spans)
 
 
 # Samples a step forks, by scheduler request id: (group id, sample), joining their group once

@@ -17,6 +17,7 @@ def engine_stats(scheduler: Scheduler, kv_manager: KVCacheManager, runner: Model
                  kv_stores: Optional[KVStoreBridge]) -> EngineStats:
     s = scheduler.stats
     kv = kv_manager.stats()
+    encoder = runner.encoder_cache
     return EngineStats(
         prompt_tokens=s.prompt_tokens,
         cached_prompt_tokens=s.cached_prompt_tokens,
@@ -43,4 +44,6 @@ def engine_stats(scheduler: Scheduler, kv_manager: KVCacheManager, runner: Model
         kernels_active={name: k["active"] for name, k in runner.kernels.items()},
         num_seats=groups.num_seats,
         kv_stores=tuple(kv_stores.stats()) if kv_stores is not None else (),
+        encoder_runs=encoder.runs if encoder is not None else 0,
+        encoder_cache_hits=encoder.hits if encoder is not None else 0,
     )

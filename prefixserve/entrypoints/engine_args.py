@@ -79,6 +79,22 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str, positio
     g.add_argument("--kv-store-write", default=_DEFAULTS.kv_store_write, choices=KV_STORE_WRITES,
                    help="write blocks to the stores when the pool evicts them (back) or once "
                         "computed (through) (default: %(default)s)")
+    g.add_argument("--limit-mm-per-prompt", type=mm_limits, default={}, metavar="image=N",
+                   help="most images one prompt may carry (default: no limit)")
+    g.add_argument("--encoder-cache-bytes", type=byte_size, default=_DEFAULTS.encoder_cache_bytes, metavar="SIZE",
+                   help="vision-tower outputs kept by image hash, least recently used out first "
+                        "(default: 256MiB)")
+
+
+def mm_limits(text: str) -> dict[str, int]:
+    """"image=4" -> {"image": 4}."""
+    limits = {}
+    for item in filter(None, text.split(",")):
+        kind, sep, count = item.partition("=")
+        if kind.strip() != "image" or not sep or not count.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"expected image=N, got {item!r}")
+        limits["image"] = int(count)
+    return limits
 
 
 def model_from_args(args: argparse.Namespace) -> str:

@@ -10,6 +10,7 @@ from prefixserve.engine.config import EngineConfig
 from prefixserve.entrypoints.engine_args import add_engine_args, byte_size, engine_config_from_args, say_if_random
 from prefixserve.entrypoints.server.auth import KeyTable
 from prefixserve.entrypoints.server.config import ServerConfig
+from prefixserve.entrypoints.server.media import MediaConfig
 from prefixserve.entrypoints.serve_replicas import add_replica_args, run_replicated, wants_replicas
 
 DEFAULT_MAX_WAITING = ServerConfig.max_waiting
@@ -91,6 +92,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                         "(256MiB); past it the tenant's oldest go (default: %(default)s)")
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"), help="least severe log lines shown")
+    m = p.add_argument_group("images")
+    m.add_argument("--allowed-media-domains", default="", metavar="HOST,...",
+                   help="hosts whose http(s) image URLs the server fetches (default: none; data: URLs and "
+                        "base64 images are always taken)")
+    m.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="folder whose files file: image URLs may name (default: none)")
+    m.add_argument("--media-fetch-timeout", type=float, default=MediaConfig.fetch_timeout_s, metavar="SECONDS",
+                   help="timeout of one image fetch (default: %(default)s)")
+    m.add_argument("--max-image-bytes", type=byte_size, default=MediaConfig.max_image_bytes, metavar="SIZE",
+                   help="encoded size of one image at most (default: 20MiB)")
+    m.add_argument("--max-image-pixels", type=int, default=MediaConfig.max_image_pixels,
+                   help="decoded pixels of one image at most, checked before decoding (default: %(default)s)")
     add_replica_args(p)
     p.set_defaults(func=run)
 
@@ -137,7 +150,13 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         response_store=args.response_store,
                         response_store_ttl_s=args.response_store_ttl,
                         response_store_max_responses=args.response_store_max_responses,
-                        response_store_max_bytes=args.response_store_max_bytes)
+                        response_store_max_bytes=args.response_store_max_bytes,
+                        media=MediaConfig(
+                            allowed_domains=tuple(d for d in args.allowed_media_domains.split(",") if d),
+                            allowed_local_path=args.allowed_local_media_path,
+                            fetch_timeout_s=args.media_fetch_timeout, max_image_bytes=args.max_image_bytes,
+                            max_image_pixels=args.max_image_pixels,
+                            max_images=args.limit_mm_per_prompt.get("image")))
 
 
 def tenant_pin_share(total: float, asked: Optional[float], keys: Optional[KeyTable]) -> Optional[float]:

@@ -10,6 +10,11 @@ u32 len(value) | value` (kind b"s" str as UTF-8, b"b" bytes, b"i" int in decimal
 variable-length part is length-prefixed, so no salt can be read as a token or as another kind
 of key. The first block's parent is a seed hashed from the algorithm and the model identity,
 so the same tokens give the same hashes in every process and after a restart.
+
+An image's placeholder tokens all carry one token id, so every block an image overlaps also
+carries (image content hash, offset of the image's first token from the block's first token)
+for each image it overlaps: two prompts that differ only in a picture fork at the first block
+the picture touches, and the chain carries the difference on.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import hashlib
 import struct
 import sys
 from array import array
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import xxhash
 
@@ -28,6 +33,10 @@ HashFn = Callable[[bytes], BlockHash]
 ExtraKeys = tuple  # tuple of (tag: str, value: str | bytes | int)
 
 SALT_TAG = "salt"
+IMAGE_TAG = "image"
+IMAGE_OFFSET_TAG = "image_offset"
+# (image content hash, index of its first placeholder token in the prompt, number of its tokens)
+ImageSpan = tuple[bytes, int, int]
 _SEED_DOMAIN = b"prefixserve/kv/seed/v1\x00"
 
 _U32_TYPECODE = next(code for code in "ILH" if array(code).itemsize == 4)
@@ -91,6 +100,31 @@ def request_extra_keys(cache_salt: Optional[str]) -> tuple[ExtraKeys, ExtraKeys]
     return first, ()
 
 
+def image_block_keys(image_spans: Sequence[ImageSpan], block_size: int) -> dict[int, ExtraKeys]:
+    """block index -> the (image, offset) keys of every image that block overlaps, in prompt order."""
+    keys: dict[int, ExtraKeys] = {}
+    for span in image_spans:
+        if not (isinstance(span, tuple) and len(span) == 3 and isinstance(span[0], bytes)
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in span[1:])
+                and span[1] >= 0 and span[2] > 0):
+            raise ValueError(f"an image span must be (hash bytes, start >= 0, length > 0), got {span!r}")
+        digest, start, length = span
+        for block in range(start // block_size, (start + length - 1) // block_size + 1):
+            keys[block] = keys.get(block, ()) + ((IMAGE_TAG, digest), (IMAGE_OFFSET_TAG, start - block * block_size))
+    return keys
+
+
+def special_block_extras(cache_salt: Optional[str], image_spans: Sequence[ImageSpan],
+                         block_size: int) -> dict[int, bytes]:
+    """block index -> encoded extra keys, for the blocks whose keys differ from the request's usual
+    ones (request_extra_keys): those an image overlaps. Empty for a text-only request."""
+    if not image_spans:
+        return {}
+    first, rest = request_extra_keys(cache_salt)
+    return {block: encode_extra_keys((first if block == 0 else rest) + keys)
+            for block, keys in image_block_keys(image_spans, block_size).items()}
+
+
 class BlockHasher:
     def __init__(self, algo: str = "xxh3_64", model_identity: str = "",
                  hash_fn: Optional[HashFn] = None) -> None:
@@ -116,9 +150,15 @@ class BlockHasher:
         return self._fn(_HEADER.pack(len(parent), len(tokens) >> 2) + parent + tokens + extras)
 
     def iter_chain(self, parent: BlockHash, tokens: bytes, block_size: int, first_index: int,
-                   extras_first: bytes, extras_rest: bytes) -> Iterator[tuple[bytes, BlockHash]]:
+                   extras_first: bytes, extras_rest: bytes,
+                   special: Optional[Mapping[int, bytes]] = None) -> Iterator[tuple[bytes, BlockHash]]:
         """(block tokens, hash) of each full block in `tokens`, whose first block has index
-        first_index in its request and `parent` as its parent hash."""
+        first_index in its request and `parent` as its parent hash; `special`: the encoded keys
+        of blocks that differ from extras_first/extras_rest (special_block_extras)."""
+        if special:
+            yield from self._iter_chain_special(parent, tokens, block_size, first_index, extras_first,
+                                                extras_rest, special)
+            return
         fn = self._fn
         step = block_size * 4
         # Built-in algorithms give fixed-length digests, so the header is built once; an injected
@@ -135,13 +175,27 @@ class BlockHasher:
             extras = extras_rest
             yield block, parent
 
+    def _iter_chain_special(self, parent: BlockHash, tokens: bytes, block_size: int, first_index: int,
+                            extras_first: bytes, extras_rest: bytes,
+                            special: Mapping[int, bytes]) -> Iterator[tuple[bytes, BlockHash]]:
+        step = block_size * 4
+        index = first_index
+        for offset in range(0, len(tokens) - step + 1, step):
+            block = tokens[offset:offset + step]
+            extras = special.get(index, extras_rest if index else extras_first)
+            parent = self._fn(_HEADER.pack(len(parent), block_size) + parent + block + extras)
+            index += 1
+            yield block, parent
+
     def hash_prompt(self, token_ids: Sequence[int], block_size: int,
-                    cache_salt: Optional[str] = None) -> list[BlockHash]:
+                    cache_salt: Optional[str] = None,
+                    image_spans: Sequence[ImageSpan] = ()) -> list[BlockHash]:
         """Hashes of all full blocks of token_ids."""
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         first, rest = request_extra_keys(cache_salt)
         num_full = len(token_ids) // block_size * block_size
         tokens = token_bytes(token_ids[:num_full])
+        special = special_block_extras(cache_salt, image_spans, block_size)
         return [h for _, h in self.iter_chain(self.seed, tokens, block_size, 0,
-                                              encode_extra_keys(first), encode_extra_keys(rest))]
+                                              encode_extra_keys(first), encode_extra_keys(rest), special)]

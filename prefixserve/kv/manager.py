@@ -16,8 +16,8 @@ from prefixserve.kv.block import NO_PARENT
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.config import KVCacheConfig
 from prefixserve.kv.eviction import make_policy
-from prefixserve.kv.hashing import (BlockHash, BlockHasher, HashFn, encode_extra_keys,
-                                    request_extra_keys, token_bytes)
+from prefixserve.kv.hashing import (BlockHash, BlockHasher, HashFn, ImageSpan, encode_extra_keys,
+                                    request_extra_keys, special_block_extras, token_bytes)
 from prefixserve.kv.integrity import check_integrity
 from prefixserve.kv.partial_blocks import (PartialEntry, find_partial, is_partial,
                                            partial_entry, pending_breakpoints)
@@ -60,9 +60,11 @@ class KVCacheManager:
     # ------------------------------------------------------------------ lookup
     def find_cached_prefix(self, request_id: str, token_ids: Sequence[int], *,
                            cache_salt: Optional[str] = None, preempted: bool = False,
-                           breakpoints: Sequence[int] = ()) -> PrefixHit:
+                           breakpoints: Sequence[int] = (),
+                           image_spans: Sequence[ImageSpan] = ()) -> PrefixHit:
         """The longest cached prefix of token_ids: full blocks, then, where one of the request's
-        token-exact breakpoints ends inside the next block, that breakpoint's partial block."""
+        token-exact breakpoints ends inside the next block, that breakpoint's partial block.
+        image_spans key the blocks an image overlaps by the image's content (kv/hashing.py)."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already holds blocks; look up a prefix "
                              "only for a request without blocks (new, or preempted and freed)")
@@ -71,12 +73,14 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             # The last token is always computed: its logits are needed.
             max_blocks = (len(token_ids) - 1) // self.block_size
+            special = self._special(cache_salt, image_spans)
             self._walk(token_ids, max_blocks, extras_first, extras_rest,
-                       hit.block_ids, hit.generations)
+                       hit.block_ids, hit.generations, special)
             hit.num_tokens = len(hit.block_ids) * self.block_size
             if breakpoints:
+                extras = extras_rest if hit.block_ids else extras_first
                 self._extend_to_breakpoint(hit, token_ids, breakpoints, len(token_ids) - 1,
-                                           extras_rest if hit.block_ids else extras_first)
+                                           special.get(len(hit.block_ids), extras))
         return hit
 
     def _extend_to_breakpoint(self, hit: PrefixHit, token_ids: Sequence[int],
@@ -95,7 +99,8 @@ class KVCacheManager:
                     return
 
     def _walk(self, token_ids: Sequence[int], max_blocks: int, extras_first: bytes,
-              extras_rest: bytes, ids: list[int], gens: list[int]) -> None:
+              extras_rest: bytes, ids: list[int], gens: list[int],
+              special: Optional[dict[int, bytes]] = None) -> None:
         """Appends to ids/gens the longest chain of cached blocks matching token_ids. A block
         counts only if its stored tokens and extra keys equal the request's and it was
         registered as the child of the block matched just before it (same id and generation):
@@ -111,13 +116,16 @@ class KVCacheManager:
             end = min(max_blocks, i + chunk)
             tokens = token_bytes(token_ids[i * bs:end * bs])
             for tok, block_hash in iter_chain(parent_hash, tokens, bs, i, extras_first,
-                                              extras_rest):
+                                              extras_rest, special):
                 block_id = index.get(block_hash)
                 if block_id is None:
                     return
                 block = blocks[block_id]
+                extras = extras_rest if i else extras_first
+                if special:
+                    extras = special.get(i, extras)
                 if (block.parent != prev or block.parent_gen != prev_gen or block.tokens != tok
-                        or block.extras != (extras_rest if i else extras_first)):
+                        or block.extras != extras):
                     return
                 prev, prev_gen, parent_hash = block_id, block.gen, block_hash
                 ids.append(block_id)
@@ -130,11 +138,13 @@ class KVCacheManager:
                        num_new_tokens: int, *, hit: Optional[PrefixHit] = None,
                        cache_salt: Optional[str] = None, priority: int = 0,
                        breakpoints: Sequence[int] = (),
-                       write_limit: Optional[int] = None) -> Optional[Allocation]:
+                       write_limit: Optional[int] = None,
+                       image_spans: Sequence[ImageSpan] = ()) -> Optional[Allocation]:
         """Blocks for num_new_tokens more tokens of the request (a new request first takes its
-        hit). breakpoints and write_limit count on a request's first allocation: the prompt
-        lengths whose prefix is kept token-exact (partial_blocks.py), and how many leading tokens
-        of it may enter the cache at all (None: every full block)."""
+        hit). breakpoints, write_limit and image_spans count on a request's first allocation:
+        the prompt lengths whose prefix is kept token-exact (partial_blocks.py), how many
+        leading tokens of it may enter the cache at all (None: every full block), and the
+        images whose content keys the blocks they overlap."""
         if num_computed_tokens < 0 or num_new_tokens < 0:
             raise ValueError(f"num_computed_tokens ({num_computed_tokens}) and num_new_tokens "
                              f"({num_new_tokens}) must be >= 0")
@@ -190,6 +200,7 @@ class KVCacheManager:
         # Everything that can reject bad input runs before the first change.
         if req is None:
             extras_first, extras_rest = self._encoded_extras(cache_salt)
+            special = self._special(cache_salt, image_spans)
         hashed = len(req.hashes) if req is not None else num_computed_tokens // bs
         num_full = end // bs
         limit = req.write_limit if req is not None else write_limit
@@ -202,7 +213,7 @@ class KVCacheManager:
         if due[0]:
             self._cache_partials(req, due)
         if req is None:
-            req = RequestBlocks(list(hit_ids), extras_first, extras_rest, priority)
+            req = RequestBlocks(list(hit_ids), extras_first, extras_rest, priority, special)
             self._requests[request_id] = req
             if hit is not None:
                 self._take_hit(req, hit, priority)
@@ -311,13 +322,15 @@ class KVCacheManager:
         pool = self._pool
         blocks, index = pool.blocks, pool.index
         table, hashes, canon, canon_gen = req.table, req.hashes, req.canon, req.canon_gen
-        extras_first, extras_rest = req.extras_first, req.extras_rest
+        extras_first, extras_rest, special = req.extras_first, req.extras_rest, req.special
         i = len(hashes)
         parent_hash = hashes[-1] if i else self.hasher.seed
         for tok, block_hash in self.hasher.iter_chain(parent_hash, tokens, bs, i,
-                                                      extras_first, extras_rest):
+                                                      extras_first, extras_rest, special):
             hashes.append(block_hash)
             extras = extras_rest if i else extras_first
+            if special:
+                extras = special.get(i, extras)
             link, link_gen = (canon[i - 1], canon_gen[i - 1]) if i else (NO_PARENT, 0)
             if i and (link == NO_PARENT or blocks[link].gen != link_gen):
                 # The chain above this block is no longer in the index (evicted, replaced or
@@ -365,6 +378,13 @@ class KVCacheManager:
                 self._extras.clear()
             self._extras[cache_salt] = encoded
         return encoded
+
+    def _special(self, cache_salt: Optional[str], image_spans: Sequence[ImageSpan]) -> dict[int, bytes]:
+        """The encoded keys of the blocks an image overlaps (none for a text-only request)."""
+        try:
+            return special_block_extras(cache_salt, image_spans, self.block_size)
+        except ValueError as e:
+            raise ValueError(f"image_spans: {e}") from None
 
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether num_blocks fresh blocks could be handed out now (free + evictable)."""
@@ -590,16 +610,17 @@ class KVCacheManager:
         return self._pool.num_available
 
     def store_lookup(self, token_ids: Sequence[int], *, cache_salt: Optional[str] = None,
-                     max_blocks: int) -> StoreLookup:
+                     max_blocks: int, image_spans: Sequence[ImageSpan] = ()) -> StoreLookup:
         """The pool's hit for token_ids and up to max_blocks blocks after it (never the block
         holding the last token, which is always computed)."""
         extras_first, extras_rest = self._encoded_extras(cache_salt)
+        special = self._special(cache_salt, image_spans)
         bs = self.block_size
         limit = (len(token_ids) - 1) // bs
         found = StoreLookup([], [])
         if not self.enable_prefix_caching:
             return found
-        self._walk(token_ids, limit, extras_first, extras_rest, found.prefix_ids, found.prefix_gens)
+        self._walk(token_ids, limit, extras_first, extras_rest, found.prefix_ids, found.prefix_gens, special)
         start = len(found.prefix_ids)
         # The walk returns blocks in the index, so the last one has its hash.
         last_hash = self._pool.blocks[found.prefix_ids[-1]].hash if start else None
@@ -607,9 +628,9 @@ class KVCacheManager:
         stop = min(limit, start + max(0, max_blocks))
         for i, (tok, h) in enumerate(self.hasher.iter_chain(
                 parent, token_bytes(token_ids[start * bs:stop * bs]), bs, start,
-                extras_first, extras_rest)):
-            found.candidates.append(
-                BlockMeta(h, parent, tok, extras_first if start + i == 0 else extras_rest))
+                extras_first, extras_rest, special)):
+            extras = extras_first if start + i == 0 else extras_rest
+            found.candidates.append(BlockMeta(h, parent, tok, special.get(start + i, extras)))
             parent = h
         return found
 

@@ -80,6 +80,7 @@ def partial_entry(pool: BlockPool, hasher: BlockHasher, req: RequestBlocks, t: i
         extras = req.extras_rest
     else:
         link, link_gen, parent_hash, extras = NO_PARENT, 0, hasher.seed, req.extras_first
+    extras = req.special.get(q, extras)   # an image in the block keys it, as a full block's
     block_hash = hasher.hash_encoded(parent_hash, tokens, extras)
     if block_hash in pool.index:
         return None   # an equal partial block is cached (or a colliding block keeps its place)

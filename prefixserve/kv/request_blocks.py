@@ -22,10 +22,10 @@ class RequestBlocks:
     """
 
     __slots__ = ("table", "hashes", "canon", "canon_gen", "extras_first", "extras_rest",
-                 "priority", "pending", "allocated_end", "write_limit")
+                 "priority", "pending", "allocated_end", "write_limit", "special")
 
     def __init__(self, table: list[int], extras_first: bytes, extras_rest: bytes,
-                 priority: int) -> None:
+                 priority: int, special: Optional[dict[int, bytes]] = None) -> None:
         self.table = table
         self.hashes: list[BlockHash] = []
         self.canon: list[int] = []
@@ -36,10 +36,12 @@ class RequestBlocks:
         self.pending: list[tuple[int, bytes]] = []
         self.allocated_end = 0
         self.write_limit: Optional[int] = None
+        # encoded keys of the blocks an image overlaps (kv/hashing.py special_block_extras)
+        self.special = special or {}
 
     def fork(self) -> RequestBlocks:
         child = RequestBlocks(list(self.table), self.extras_first, self.extras_rest,
-                              self.priority)
+                              self.priority, self.special)
         child.hashes = list(self.hashes)
         child.canon = list(self.canon)
         child.canon_gen = list(self.canon_gen)

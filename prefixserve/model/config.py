@@ -12,13 +12,17 @@ from typing import Any, Mapping
 import torch
 
 from prefixserve.model.errors import InvalidModelConfigError, UnsupportedModelError
+from prefixserve.model.vision_config import VisionConfig, vision_config_from_hf
 
 # HF "architectures" entry -> our family name.
 HF_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForCausalLM": "llama",
+    # a Qwen2 language model with M-RoPE behind a vision tower (model/vision_language.py)
+    "Qwen2_5_VLForConditionalGeneration": "qwen2",
 }
+VISION_LANGUAGE_ARCHITECTURES = frozenset({"Qwen2_5_VLForConditionalGeneration"})
 SUPPORTED_FAMILIES = tuple(sorted(set(HF_ARCHITECTURES.values())))
 
 # Rope scaling types this implementation computes, and the keys each one needs.
@@ -71,6 +75,8 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     torch_dtype: str = "float32"       # dtype the checkpoint was saved in
     attention_output_bias: bool = False  # bias on o_proj (llama/qwen3 with attention_bias)
+    # the vision tower and image settings of a vision-language model (Qwen2.5-VL); None: text only
+    vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_FAMILIES:
@@ -128,11 +134,22 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @classmethod
-    def from_hf_config(cls, d: Mapping[str, Any]) -> "ModelConfig":
-        """Builds a ModelConfig from a parsed config.json (transformers 4.x or 5.x layout)."""
+    def from_hf_config(cls, d: Mapping[str, Any],
+                       preprocessor: Mapping[str, Any] | None = None) -> "ModelConfig":
+        """Builds a ModelConfig from a parsed config.json (transformers 4.x or 5.x layout); preprocessor:
+        a vision-language checkpoint's preprocessor_config.json, where it has one."""
         if not isinstance(d, Mapping):
             raise InvalidModelConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
         family = _family(d)
+        vision = None
+        if _architecture_name(d) in VISION_LANGUAGE_ARCHITECTURES:
+            # transformers 5 nests the language model's keys under text_config; hub checkpoints are flat
+            top = d
+            d = {**d, **(d.get("text_config") or {})}
+            vision = vision_config_from_hf(top, d, preprocessor)
+            d["tie_word_embeddings"] = top.get("tie_word_embeddings", d.get("tie_word_embeddings", False))
+            d = {**d, "rope_parameters": _without_mrope(d.get("rope_parameters")),
+                 "rope_scaling": _without_mrope(d.get("rope_scaling"))}
         _reject_unsupported_options(d)
 
         def required(key: str) -> Any:
@@ -170,6 +187,7 @@ class ModelConfig:
                 eos_token_id=d.get("eos_token_id"),
                 torch_dtype=d.get("dtype") or d.get("torch_dtype") or "float32",
                 attention_output_bias=out_bias,
+                vision=vision,
             )
         except ValueError as e:
             if isinstance(e, InvalidModelConfigError):
@@ -179,6 +197,22 @@ class ModelConfig:
 
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _architecture_name(d: Mapping[str, Any]) -> Any:
+    archs = d.get("architectures")
+    return (archs[0] if isinstance(archs, list) else archs) if archs else None
+
+
+def _without_mrope(rope: Any) -> Any:
+    """A VL config's rope parameters less the M-RoPE keys (the VisionConfig keeps mrope_section)."""
+    if not isinstance(rope, Mapping):
+        return rope
+    rest = {k: v for k, v in rope.items() if k != "mrope_section"}
+    if rest.get("rope_type", rest.get("type")) == "mrope":
+        rest["rope_type"] = "default"
+        rest.pop("type", None)
+    return rest
 
 
 def _family(d: Mapping[str, Any]) -> str:

@@ -110,13 +110,16 @@ class CausalLM(nn.Module):
                         else empty_parameter(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: Any) -> torch.Tensor:
+                attn_metadata: Any, *, inputs_embeds: torch.Tensor | None = None,
+                rope_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of every token in the flat batch.
 
         attn_metadata: what the backend's build_metadata made of the step's AttentionMetadata
         (the runner prepares it before the forward), or a plain AttentionMetadata, prepared here.
         Each new token's K/V lands in its slot of every layer's pool; each token
         attends to positions <= its own within its sequence.
+        inputs_embeds: the token embeddings to use instead of looking input_ids up (image tokens);
+        rope_positions: what the rotary turns by where that differs from `positions` (M-RoPE's [3, T]).
         """
         if isinstance(attn_metadata, AttentionMetadata):
             attn_metadata = self.attention_backend.build_metadata(attn_metadata)
@@ -125,8 +128,8 @@ class CausalLM(nn.Module):
         if input_ids.shape != positions.shape or input_ids.dim() != 1:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
                              "must be equal-length 1-D tensors")
-        x = self.platform.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rotary(positions, x.dtype)
+        x = self.platform.embedding(input_ids, self.embed_tokens) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rotary(positions if rope_positions is None else rope_positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)

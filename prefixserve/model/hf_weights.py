@@ -45,7 +45,42 @@ def hf_weight_targets(model: CausalLM) -> dict[str, torch.Tensor]:
         targets[f"{prefix}mlp.down_proj.weight"] = matrix(layer.mlp.down_proj)
         targets[f"{prefix}input_layernorm.weight"] = layer.input_layernorm.weight
         targets[f"{prefix}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+    visual = getattr(model, "visual", None)
+    if visual is not None:
+        targets.update(_vision_targets(visual))
     return targets
+
+
+def _vision_targets(visual) -> dict[str, torch.Tensor]:
+    c = visual.config
+    targets = {
+        "visual.patch_embed.proj.weight": visual.patch_embed.view(
+            c.hidden_size, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size),
+        "visual.merger.ln_q.weight": visual.merger_norm,
+        "visual.merger.mlp.0.weight": visual.merger_fc1, "visual.merger.mlp.0.bias": visual.merger_fc1_bias,
+        "visual.merger.mlp.2.weight": visual.merger_fc2, "visual.merger.mlp.2.bias": visual.merger_fc2_bias,
+    }
+    for i, block in enumerate(visual.blocks):
+        prefix = f"visual.blocks.{i}."
+        targets.update({
+            f"{prefix}norm1.weight": block.norm1, f"{prefix}norm2.weight": block.norm2,
+            f"{prefix}attn.qkv.weight": block.qkv, f"{prefix}attn.qkv.bias": block.qkv_bias,
+            f"{prefix}attn.proj.weight": block.proj, f"{prefix}attn.proj.bias": block.proj_bias,
+            f"{prefix}mlp.gate_proj.weight": block.gate_proj, f"{prefix}mlp.gate_proj.bias": block.gate_bias,
+            f"{prefix}mlp.up_proj.weight": block.up_proj, f"{prefix}mlp.up_proj.bias": block.up_bias,
+            f"{prefix}mlp.down_proj.weight": block.down_proj, f"{prefix}mlp.down_proj.bias": block.down_bias,
+        })
+    return targets
+
+
+def canonical_name(name: str) -> str:
+    """A tensor's name in the hub layout: transformers 5 may write a VL model's language model under
+    model.language_model. and its tower under model.visual."""
+    if name.startswith("model.language_model."):
+        return "model." + name.removeprefix("model.language_model.")
+    if name.startswith("model.visual."):
+        return name.removeprefix("model.")
+    return name
 
 
 def is_ignorable(name: str, config_tied: bool) -> bool:

@@ -1,6 +1,7 @@
 """load_model: a checkpoint folder or a random:<preset> name -> a ready CausalLM."""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,8 +14,9 @@ from prefixserve.model.config import ModelConfig, dtype_name, resolve_dtype
 from prefixserve.model.decoder import CausalLM
 from prefixserve.model.errors import (MissingTensorError, ModelLoadError, TensorShapeMismatchError,
                                       UnexpectedTensorError, UnsupportedModelError)
-from prefixserve.model.hf_weights import hf_weight_targets, is_ignorable
+from prefixserve.model.hf_weights import canonical_name, hf_weight_targets, is_ignorable
 from prefixserve.model.random_models import RANDOM_PRESETS, random_model
+from prefixserve.model.vision_language import VisionLanguageModel
 
 RANDOM_PREFIX = "random:"
 _LISTED = 5  # tensor names quoted in an error before "... and N more"
@@ -67,11 +69,12 @@ def _load_random(preset: str, dtype: torch.dtype | str | None, device: torch.dev
 def _load_checkpoint(folder: Path, dtype: torch.dtype | str | None, device: torch.device | str,
                      attention_backend: str) -> LoadedModel:
     files = find_checkpoint_files(folder)
-    config = ModelConfig.from_hf_config(files.config)
+    config = ModelConfig.from_hf_config(files.config, _preprocessor_config(folder))
     if dtype is None:
         dtype = torch.float32 if torch.device(device).type == "cpu" else config.torch_dtype
     torch_dtype = resolve_dtype(dtype)
-    model = CausalLM(config, dtype=torch_dtype, device=device, attention_backend=attention_backend)
+    model_class = CausalLM if config.vision is None else VisionLanguageModel
+    model = model_class(config, dtype=torch_dtype, device=device, attention_backend=attention_backend)
     load_weights(model, files)
     model.pack_weights()
     identity = f"hf:{files.fingerprint()}:{dtype_name(torch_dtype)}"
@@ -89,7 +92,8 @@ def load_weights(model: CausalLM, files: CheckpointFiles) -> None:
     for path in files.weight_files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as reader:
-                for name in reader.keys():
+                for stored in reader.keys():
+                    name = canonical_name(stored)
                     if name in seen:
                         raise ModelLoadError(f"tensor {name} appears in both {seen[name]} and {path.name}")
                     seen[name] = path.name
@@ -98,12 +102,12 @@ def load_weights(model: CausalLM, files: CheckpointFiles) -> None:
                         if not is_ignorable(name, tied):
                             unexpected.append(name)
                         continue
-                    shape = tuple(reader.get_slice(name).get_shape())
+                    shape = tuple(reader.get_slice(stored).get_shape())
                     if shape != tuple(target.shape):
                         raise TensorShapeMismatchError(
                             f"tensor {name} in {path.name} has shape {shape}, but config.json implies "
                             f"{tuple(target.shape)}")
-                    target.copy_(reader.get_tensor(name))
+                    target.copy_(reader.get_tensor(stored))
         except SafetensorError as e:
             raise ModelLoadError(f"cannot read {path}: {e}") from e
     if unexpected:
@@ -113,6 +117,18 @@ def load_weights(model: CausalLM, files: CheckpointFiles) -> None:
     missing = [name for name in targets if name not in seen]
     if missing:
         raise MissingTensorError(f"checkpoint {files.folder} lacks tensors: {_listing(missing)}")
+
+
+def _preprocessor_config(folder: Path) -> dict | None:
+    """preprocessor_config.json of a vision-language checkpoint (its image sizes), when present."""
+    path = folder / "preprocessor_config.json"
+    if not path.is_file():
+        return None
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot parse {path}: {e}") from e
+    return loaded if isinstance(loaded, dict) else None
 
 
 def _listing(names: list[str]) -> str:

@@ -11,6 +11,9 @@ from typing import Any, Optional
 
 from prefixserve.errors import CacheControlError
 
+# What a rendered prompt holds where an image part was (Qwen2-VL's tokens); the engine expands its
+# <|image_pad|> to the image's tokens (multimodal/prompt.py).
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 # Anthropic's cache_control TTLs, then OpenAI's prompt_cache_breakpoint TTLs and its 24h retention
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0, "30m": 1800.0, "12h": 43200.0, "24h": 86400.0}
 _CONTROL_TTLS = ("5m", "1h")
@@ -50,12 +53,24 @@ def parse_cache_control(raw: Any, where: str) -> Optional[CacheControl]:
     return CacheControl(ttl)
 
 
+@dataclass(frozen=True)
+class ImageSource:
+    """Where an image part's picture comes from, as sent: a URL (data:, http(s):, file:) or base64 data
+    with its media type; fetched and decoded by the server (entrypoints/server/media.py)."""
+    where: str                          # the body field, named when the image is refused
+    part: str                           # the content part holding it
+    url: Optional[str] = None
+    data: Optional[str] = None          # base64
+    media_type: Optional[str] = None
+
+
 @dataclass
 class Part:
-    """One text part of a message (or one system block)."""
+    """One text part of a message (or one system block); an image part's text is IMAGE_PLACEHOLDER."""
     text: str
     cache_control: Optional[CacheControl] = None
     where: str = ""
+    image: Optional[ImageSource] = None
 
 
 @dataclass

@@ -178,6 +178,10 @@ class ReplicatedLLM:
                           cache_pins: Sequence[CachePin] = (),
                           cache_write_limit: Optional[int] = None,
                           routing_key: Optional[str] = None) -> ReplicaStream:
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            # the replicas are handed token ids only: an image would be dropped, its placeholder read as text
+            raise InvalidRequestError("images are not served under --replicas yet", param="multi_modal_data",
+                                      code="not_supported")
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             token_ids = list(prompt["prompt_token_ids"])
         else:

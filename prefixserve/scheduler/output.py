@@ -19,7 +19,7 @@ scheduled request, and an idle worker holds no row.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -37,6 +37,8 @@ class ScheduledSequence:
     full_block_table: Optional[list[int]] = None
     # Blocks appended to the table this step (empty when full_block_table is set).
     new_block_ids: list[int] = field(default_factory=list)
+    # The request's images (Request.multimodal), None for a text-only request.
+    multimodal: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from prefixserve.sampling_params import SamplingParams
 
@@ -45,6 +45,11 @@ class Request:
     cache_write_limit: Optional[int] = None
     # Sequence index within a group of n samples; children are forked from index 0.
     sample_index: int = 0
+    # (image content hash, first placeholder token, number of tokens) of each image in the prompt:
+    # extra keys of the blocks they overlap (kv/hashing.py)
+    image_spans: tuple[tuple[bytes, int, int], ...] = ()
+    # the prompt's images for the worker (multimodal/inputs.py), carried here unread
+    multimodal: Any = None
 
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V is in the pool (or will be after the step that scheduled them).

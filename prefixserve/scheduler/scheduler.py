@@ -127,7 +127,8 @@ class Scheduler:
                 alloc = self.kv.allocate_slots(
                     req.request_id, req.all_token_ids, req.num_computed_tokens, num_new,
                     cache_salt=req.cache_salt, priority=req.priority,
-                    breakpoints=req.cache_breakpoints, write_limit=req.cache_write_limit)
+                    breakpoints=req.cache_breakpoints, write_limit=req.cache_write_limit,
+                    image_spans=req.image_spans)
                 if alloc is not None:
                     break
                 victim = self._pick_victim(scheduled)
@@ -172,12 +173,13 @@ class Scheduler:
             resumed = req.num_preemptions > 0
             hit = self.kv.find_cached_prefix(
                 req.request_id, req.all_token_ids, cache_salt=req.cache_salt, preempted=resumed,
-                breakpoints=req.cache_breakpoints)
+                breakpoints=req.cache_breakpoints, image_spans=req.image_spans)
             num_new = self._chunk(req, hit.num_tokens, min(req.num_tokens - hit.num_tokens, budget))
             alloc = self.kv.allocate_slots(
                 req.request_id, req.all_token_ids, hit.num_tokens, num_new, hit=hit,
                 cache_salt=req.cache_salt, priority=req.priority,
-                breakpoints=req.cache_breakpoints, write_limit=req.cache_write_limit)
+                breakpoints=req.cache_breakpoints, write_limit=req.cache_write_limit,
+                image_spans=req.image_spans)
             if alloc is None:
                 break
             if candidates is None:
@@ -220,7 +222,8 @@ class Scheduler:
         fan_out = req.sampling_params.n if (sample and req.sample_index == 0
                                             and req.num_output_tokens == 0) else 1
         seq = ScheduledSequence(request_id=req.request_id, token_ids=req.all_token_ids[start:end],
-                                start_pos=start, sample=sample, num_samples=fan_out)
+                                start_pos=start, sample=sample, num_samples=fan_out,
+                                multimodal=req.multimodal)
         # The worker's row is the table as last sent plus the blocks appended since; a copy-on-write
         # swap changes an entry in place, so then (and for a row it lacks) the whole table goes.
         if alloc.copies or req.request_id not in self._worker_rows:
@@ -386,6 +389,8 @@ class Scheduler:
             priority=parent.priority,
             arrival_time=parent.arrival_time,
             sample_index=index,
+            image_spans=parent.image_spans,
+            multimodal=parent.multimodal,
         )
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens

@@ -24,6 +24,9 @@ IM_END = "<|im_end|>"
 BUILTIN_STOP_TOKENS = (IM_END, ENDOFTEXT)
 # No BOS: like Qwen, prompts start with the first text or <|im_start|> token.
 BUILTIN_SPECIAL_TOKENS = {"eos_token": IM_END, "pad_token": ENDOFTEXT}
+# Added after the vocabulary (ids 8192, 8193, 8194) for the vision-language random models and the
+# checkpoints tests build: where a picture goes in a prompt (Qwen2-VL's tokens).
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
 
 
 def builtin_chat_template() -> str:
@@ -63,13 +66,32 @@ def builtin_tokenizer_config() -> dict[str, Any]:
     }
 
 
-def write_builtin_tokenizer_files(folder: str | Path) -> None:
+def builtin_tokenizer_json(*, vision: bool = False) -> dict[str, Any]:
+    """The built-in tokenizer.json, with VISION_TOKENS added after the vocabulary when `vision`."""
+    data = json.loads((BUILTIN_DATA_DIR / "tokenizer.json").read_text(encoding="utf-8"))
+    if vision:
+        next_id = BUILTIN_VOCAB_SIZE
+        for token in VISION_TOKENS:
+            data["added_tokens"].append({"id": next_id, "content": token, "single_word": False, "lstrip": False,
+                                         "rstrip": False, "normalized": False, "special": True})
+            next_id += 1
+    return data
+
+
+def write_builtin_tokenizer_files(folder: str | Path, *, vision: bool = False) -> None:
     """Writes tokenizer.json, tokenizer_config.json (with the chat template) and special_tokens_map.json
-    into `folder` (created if needed), in the layout transformers' AutoTokenizer.from_pretrained reads."""
+    into `folder` (created if needed), in the layout transformers' AutoTokenizer.from_pretrained reads;
+    `vision` adds VISION_TOKENS."""
     target = Path(folder)
     target.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(BUILTIN_DATA_DIR / "tokenizer.json", target / "tokenizer.json")
+    if vision:
+        tokenizer_json = builtin_tokenizer_json(vision=True)
+        (target / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False), encoding="utf-8")
+        config = {**builtin_tokenizer_config(), "added_tokens_decoder": _added_tokens_decoder(tokenizer_json)}
+    else:
+        shutil.copyfile(BUILTIN_DATA_DIR / "tokenizer.json", target / "tokenizer.json")
+        config = builtin_tokenizer_config()
     (target / "tokenizer_config.json").write_text(
-        json.dumps(builtin_tokenizer_config(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     (target / "special_tokens_map.json").write_text(
         json.dumps(BUILTIN_SPECIAL_TOKENS, indent=2) + "\n", encoding="utf-8")

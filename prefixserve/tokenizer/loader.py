@@ -14,7 +14,8 @@ def load_tokenizer(model: str) -> Tokenizer:
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must be a non-empty string (a folder or 'random:<preset>'), got {model!r}")
     if model.startswith(RANDOM_MODEL_PREFIX):
-        return Tokenizer.builtin()
+        # the vision-language presets (random:qwen2.5-vl-*) place images with the added vision tokens
+        return Tokenizer.builtin(vision=model.removeprefix(RANDOM_MODEL_PREFIX).startswith("qwen2.5-vl"))
     folder = Path(model).expanduser()
     if not folder.is_dir():
         raise TokenizerFileMissingError(

@@ -7,7 +7,8 @@ from typing import Any
 
 import tokenizers
 
-from prefixserve.tokenizer.builtin import BUILTIN_DATA_DIR, BUILTIN_STOP_TOKENS, builtin_tokenizer_files
+from prefixserve.tokenizer.builtin import (BUILTIN_DATA_DIR, BUILTIN_STOP_TOKENS, VISION_TOKENS,
+                                           builtin_tokenizer_files)
 from prefixserve.tokenizer.chat_template import render_chat, select_template
 from prefixserve.tokenizer.errors import TokenizerFileMissingError, TokenizerLoadError
 from prefixserve.tokenizer.hf_files import ChatTemplateSource, TokenizerFiles, read_tokenizer_files
@@ -81,9 +82,13 @@ class Tokenizer:
         return cls._from_files(_load_backend(tokenizer_json), read_tokenizer_files(folder), name=str(folder))
 
     @classmethod
-    def builtin(cls) -> Tokenizer:
-        """The project's shipped byte-level BPE (8192 ids) with its ChatML chat template."""
+    def builtin(cls, *, vision: bool = False) -> Tokenizer:
+        """The project's shipped byte-level BPE (8192 ids) with its ChatML chat template; `vision` adds
+        the three image tokens after them (builtin.VISION_TOKENS)."""
         backend = _load_backend(BUILTIN_DATA_DIR / "tokenizer.json")
+        if vision:
+            backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                                        for t in VISION_TOKENS])
         stop_ids = [backend.token_to_id(token) for token in BUILTIN_STOP_TOKENS]
         return cls._from_files(backend, builtin_tokenizer_files(), extra_eos_token_ids=stop_ids, name="builtin")
 

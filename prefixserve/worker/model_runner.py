@@ -25,6 +25,8 @@ from prefixserve.model.kv_layout import kv_cache_bytes_per_block, kv_cache_shape
 from prefixserve.model.loader import LoadedModel
 from prefixserve.model.platform import platform_for
 from prefixserve.worker.block_tables import BlockTables
+from prefixserve.worker.encoder_cache import DEFAULT_ENCODER_CACHE_BYTES, EncoderCache
+from prefixserve.worker.multimodal_step import multimodal_inputs
 from prefixserve.worker.sampler import SampleResult, Sampler, SamplingRow
 
 
@@ -36,6 +38,7 @@ class PlannedSequence(Protocol):
     num_samples: int
     full_block_table: Optional[list[int]]
     new_block_ids: list[int]
+    multimodal: Any  # a vision-language prompt's images (multimodal/inputs.py), or None
 
 
 class PlannedStep(Protocol):
@@ -52,6 +55,9 @@ class StepInputs:
     attn_metadata: Any           # what the attention backend built for this step
     logit_rows: torch.Tensor     # [R] int64: the flat-batch row behind each sample drawn
     num_logit_rows: int
+    # a vision-language model's: embeddings with image rows filled (None: look input_ids up), M-RoPE [3, T]
+    inputs_embeds: Optional[torch.Tensor] = None
+    rope_positions: Optional[torch.Tensor] = None
 
 
 def num_blocks_for_memory(loaded: LoadedModel, block_size: int, kv_cache_memory: int) -> int:
@@ -62,7 +68,8 @@ def num_blocks_for_memory(loaded: LoadedModel, block_size: int, kv_cache_memory:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, *, block_size: int, num_blocks: int,
-                 vocab_limit: int | None = None, seed: int = 0, kv_layout: str = "auto") -> None:
+                 vocab_limit: int | None = None, seed: int = 0, kv_layout: str = "auto",
+                 encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES) -> None:
         self.model = loaded.model
         self.config = loaded.config
         self.block_size = block_size
@@ -91,6 +98,12 @@ class ModelRunner:
         self.kernels = self.platform.load_kernels()
         # decode-only steps as one fixed sequence of kernel calls, where the platform, model and kernels allow
         self.decode_program = self.platform.decode_program(self.model, self.kv_caches, self.kv_layout)
+        # a vision-language model: its image embeddings by content hash; its M-RoPE rotary is the
+        # modules' own, which no decode program runs
+        self.encoder_cache: Optional[EncoderCache] = None
+        if getattr(self.model, "visual", None) is not None:
+            self.encoder_cache = EncoderCache(encoder_cache_bytes)
+            self.decode_program = None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -145,13 +158,17 @@ class ModelRunner:
         common = AttentionMetadata.from_host(query_start_loc, seq_lens, block_tables, self.block_size,
                                              self.device, layout, self.kv_layout)
         logit_rows = np.repeat(query_start_loc[1:] - 1, samples)
-        return StepInputs(
+        inputs = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
             positions=torch.from_numpy(layout[1]).to(self.device, non_blocking=True),
             attn_metadata=self.model.attention_backend.build_metadata(common),
             logit_rows=torch.from_numpy(logit_rows).to(self.device, non_blocking=True),
             num_logit_rows=len(logit_rows),
         )
+        if self.encoder_cache is not None:
+            inputs.inputs_embeds, inputs.rope_positions = multimodal_inputs(
+                self.model, sequences, inputs.input_ids, inputs.positions, self.encoder_cache)
+        return inputs
 
     @torch.inference_mode()
     def execute(self, plan: PlannedStep, rows: Sequence[SamplingRow]) -> SampleResult:
@@ -173,7 +190,10 @@ class ModelRunner:
             if program is not None and program.applies(inputs.attn_metadata, inputs.input_ids.numel()):
                 hidden = program.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
             else:
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+                # a text model's forward is called as it always was; a vision-language one's with its images
+                extra = ({} if inputs.rope_positions is None else
+                         {"inputs_embeds": inputs.inputs_embeds, "rope_positions": inputs.rope_positions})
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, **extra)
             if not inputs.num_logit_rows:
                 return SampleResult(token_ids=[])
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logit_rows))

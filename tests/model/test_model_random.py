@@ -1,6 +1,8 @@
 """Built-in random models: deterministic by seed, the advertised shapes."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from prefixserve.model.attention.metadata import AttentionMetadata
@@ -83,3 +85,25 @@ def test_the_tiny_model_reads_its_cached_context():
     again = llm.generate(prompts, params)
     assert all(o.num_cached_tokens > 0 for o in again)
     assert all(o.outputs[0].token_ids != f for o, f in zip(again, first))
+
+
+def test_qwen2_5_vl_3b_preset_has_the_3b_parameters() -> None:
+    """random:qwen2.5-vl-3b against HF's Qwen2.5-VL built from Qwen2.5-VL-3B-Instruct's config.json values
+    (on the meta device: shapes only)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from prefixserve.model.vision_language import VisionLanguageModel
+    hf_config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                         num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=128000,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                           fullatt_block_indexes=[7, 15, 23, 31], window_size=112, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        tie_word_embeddings=True)
+    with torch.device("meta"):
+        hf = Qwen2_5_VLForConditionalGeneration(hf_config)
+    ours = VisionLanguageModel(RANDOM_PRESETS["qwen2.5-vl-3b"], device="meta")
+    shapes = sorted(tuple(p.shape) for p in ours.parameters())
+    hf_shapes = sorted(tuple(p.shape) for p in hf.parameters())
+    assert sum(math.prod(s) for s in shapes) == sum(math.prod(s) for s in hf_shapes)

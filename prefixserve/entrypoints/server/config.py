@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from prefixserve.entrypoints.server.auth import KeyTable
+from prefixserve.entrypoints.server.media import MediaConfig
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class ServerConfig:
     response_store_ttl_s: float = 30 * 86400.0
     response_store_max_responses: int = 10_000
     response_store_max_bytes: int = 256 * 2**20
+    # where image parts may come from and how large they may be (media.py)
+    media: MediaConfig = MediaConfig()
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from prefixserve.diagnose.live import MissExplainer
+from prefixserve.diagnose.live import MissExplainer, expanded_spans
 from prefixserve.engine.outputs import RequestOutput
 from prefixserve.entrypoints.server.errors import bad_request
 from prefixserve.entrypoints.server.protocol import DiagnoseFields
@@ -51,13 +51,15 @@ class LiveDiagnosis:
 
     def finish(self, request_id: str, output: RequestOutput) -> Optional[dict[str, Any]]:
         """Remembers a finished request; returns its diagnosis when it was asked for."""
+        images = output.image_spans
         if self.ask is None:
-            self.explainer.remember(request_id, output.prompt_token_ids, cache_salt=self.cache_salt)
+            self.explainer.remember(request_id, output.prompt_token_ids, cache_salt=self.cache_salt, images=images)
             return None
+        spans = expanded_spans(self.spans, images) if self.spans and images else self.spans
         return self.explainer.explain(
             request_id, output.prompt_token_ids, cache_salt=self.cache_salt,
-            num_cached_tokens=output.num_cached_tokens, spans=self.spans,
-            diagnose_against=self.ask.against).to_dict()
+            num_cached_tokens=output.num_cached_tokens, spans=spans,
+            diagnose_against=self.ask.against, images=images).to_dict()
 
 
 def with_diagnosis(report: Optional[dict[str, Any]], diagnosis: Any) -> Optional[dict[str, Any]]:

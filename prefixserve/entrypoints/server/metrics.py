@@ -57,6 +57,9 @@ class EngineStatsCollector(Collector):
                             s.preemptions)
         yield self._counter("kv_evictions", "Cached KV blocks evicted for reuse.", s.evictions)
         yield self._counter("engine_steps", "Engine steps run.", s.steps)
+        yield self._counter("encoder_runs", "Images the vision tower encoded.", s.encoder_runs)
+        yield self._counter("encoder_cache_hits", "Images whose vision-tower output came from the encoder cache.",
+                            s.encoder_cache_hits)
         yield self._gauge("num_requests_running", "Requests in the running batch.", s.num_running)
         yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield self._gauge("kv_blocks_total", "KV blocks in the pool.", s.blocks_total)

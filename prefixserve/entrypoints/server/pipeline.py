@@ -20,6 +20,7 @@ from prefixserve.engine.outputs import RequestOutput
 from prefixserve.entrypoints.server.diagnosis import LiveDiagnosis, diagnose_ask, with_diagnosis
 from prefixserve.entrypoints.server.errors import api_error
 from prefixserve.entrypoints.server.generation import Generation, submit
+from prefixserve.entrypoints.server.media import load_images
 from prefixserve.entrypoints.server.prompt_cache_fields import PromptCacheFields
 from prefixserve.entrypoints.server.prompting.bodies import ConversationSource
 from prefixserve.entrypoints.server.prompting.pins import unix_time, warning_headers
@@ -178,7 +179,15 @@ async def start(request: Request, ask: GenerationRequest) -> Call:
                                         template_kwargs=ask.prompt.template_kwargs,
                                         with_spans=wanted is not None)
         prompts = [prepared.token_ids]
+        images = None
+        if prepared.rendered.images:
+            if not state.async_llm.info.takes_images:
+                part = prepared.rendered.images[0].part
+                raise InvalidRequestError(f"{part}: this model takes no images (only text parts)", param=part,
+                                          code="unsupported")
+            images = await load_images(prepared.rendered.images, state.config.media, ask.param)
     else:
+        images = None
         prompts = await encode_prompts(state, ask.prompt.prompt)
     try:
         params = ask.sampling(tools)
@@ -190,7 +199,7 @@ async def start(request: Request, ask: GenerationRequest) -> Call:
                        cache_pins=prepared.plan.pins if prepared is not None else (),
                        cache_write_limit=ask.cache.write_limit(
                            prepared.rendered.breakpoints if prepared is not None else ()),
-                       routing_key=ask.cache.routing_key(salt))
+                       routing_key=ask.cache.routing_key(salt), images=images)
     # The body dependency has read it already: Starlette keeps it on the request.
     raw_body = await request.body() if state.request_log is not None else None
     return Call(state, gen, prepared, live, tools, created=int(time.time()), arrived=arrived,

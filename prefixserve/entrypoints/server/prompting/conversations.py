@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 from prefixserve.prompt import Conversation, Part, Tool, Turn, parse_cache_control
+from prefixserve.prompt.conversation import IMAGE_PLACEHOLDER, ImageSource
 from prefixserve.entrypoints.server.errors import bad_request
 from prefixserve.prompt.tool_blocks import has_tool_blocks, tool_turns
 
 
 def parts_of(content: Union[str, list, None], where: str) -> Optional[list[Part]]:
-    """The text parts of a message's content (a string or a list of text blocks)."""
+    """The parts of a message's content (a string or a list of text and image blocks)."""
     if content is None:
         return None
     if isinstance(content, str):
@@ -25,6 +26,11 @@ def parts_of(content: Union[str, list, None], where: str) -> Optional[list[Part]
         block_where = f"{where}[{j}]"
         if hasattr(block, "model_dump"):
             block = block.model_dump(exclude_none=True)
+        image = image_of(block, block_where)
+        if image is not None:
+            parts.append(Part(IMAGE_PLACEHOLDER, parse_cache_control(block.get("cache_control"), block_where),
+                              block_where, image))
+            continue
         if not isinstance(block, dict) or block.get("type") != "text" or \
                 not isinstance(block.get("text"), str):
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
@@ -33,6 +39,31 @@ def parts_of(content: Union[str, list, None], where: str) -> Optional[list[Part]
         parts.append(Part(block["text"], parse_cache_control(block.get("cache_control"), block_where),
                           block_where))
     return parts
+
+
+def image_of(block: Any, where: str) -> Optional[ImageSource]:
+    """An OpenAI image_url part ({"image_url": {"url"}}) or an Anthropic image block with a base64 or url
+    source, as sent; None for any other block."""
+    if not isinstance(block, dict):
+        return None
+    if block.get("type") == "image_url":
+        ref = block.get("image_url")
+        url = ref.get("url") if isinstance(ref, dict) else None
+        if not isinstance(url, str) or not url:
+            raise bad_request(f"{where}.image_url.url must be a non-empty string", param=f"{where}.image_url.url")
+        return ImageSource(f"{where}.image_url.url", where, url=url)
+    if block.get("type") == "image":
+        source = block.get("source")
+        if not isinstance(source, dict):
+            raise bad_request(f"{where}.source must be an object", param=f"{where}.source")
+        if source.get("type") == "base64" and isinstance(source.get("data"), str) \
+                and isinstance(source.get("media_type"), str):
+            return ImageSource(f"{where}.source", where, data=source["data"], media_type=source["media_type"])
+        if source.get("type") == "url" and isinstance(source.get("url"), str):
+            return ImageSource(f"{where}.source.url", where, url=source["url"])
+        raise bad_request(f"{where}.source must be {{'type': 'base64', 'media_type', 'data'}} or "
+                          f"{{'type': 'url', 'url'}}", param=f"{where}.source")
+    return None
 
 
 def tool_of(raw: Any, where: str) -> Tool:

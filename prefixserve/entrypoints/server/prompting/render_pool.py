@@ -57,6 +57,8 @@ class RenderedChat:
     token_ids: list[int]
     breakpoints: list[Breakpoint]
     spans: Optional[list[Span]]  # only when asked: locating them takes a rendering per message
+    # the image parts' sources, in prompt order (fetched and decoded by media.py)
+    images: tuple = ()
 
 
 def _start(model: str, max_tokens: int, chat_kinds: dict[str, ChatKind]) -> None:
@@ -136,8 +138,9 @@ def _render(source: ConversationSource, content: Optional[Conversation], add_gen
         raise InvalidRequestError("rendering these messages needs more memory than a prompt may",
                                   param="messages") from None
     _check_tokens(rendered.token_ids, "messages")
+    images = tuple(p.image for t in conversation.turns for p in t.parts or () if p.image is not None)
     return RenderedChat(rendered.text, rendered.token_ids, rendered.breakpoints,
-                        rendered.spans if with_spans else None)
+                        rendered.spans if with_spans else None, images)
 
 
 def _encode(texts: list[str], add_special_tokens: bool) -> list[list[int]]:

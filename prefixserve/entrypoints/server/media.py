@@ -1,0 +1,106 @@
+"""Image parts -> decoded pictures, off the event loop: data: URLs and base64 always; http(s) URLs only
+from the allowed domains and file: URLs only under the allowed folder (both off unless the server is
+started with them), fetched with a timeout and a size cap. Each refusal is a 400 naming the part."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+from urllib.parse import unquote, urlsplit
+
+from PIL import Image
+
+from prefixserve.errors import InvalidRequestError
+from prefixserve.multimodal.image_decode import DEFAULT_MAX_DECODED_PIXELS, decode_image
+from prefixserve.prompt.conversation import ImageSource
+
+
+@dataclass(frozen=True)
+class MediaConfig:
+    # hosts http(s) image URLs may name (exact host names); empty: no URL is fetched
+    allowed_domains: tuple[str, ...] = ()
+    # the folder file: URLs may point into; None: no local file is read
+    allowed_local_path: Optional[str] = None
+    fetch_timeout_s: float = 5.0
+    # encoded bytes of one image, however it arrives (a data URL's decoded payload included)
+    max_image_bytes: int = 20 * 2**20
+    # decoded pixels of one image, checked on its header before decoding
+    max_image_pixels: int = DEFAULT_MAX_DECODED_PIXELS
+    # images in one request; None: the engine's limit only
+    max_images: Optional[int] = None
+
+
+def _base64(data: str, where: str, cap: int) -> bytes:
+    if len(data) * 3 // 4 > cap:
+        raise InvalidRequestError(f"the image is over the {cap}-byte cap", param=where)
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError("the image data is not valid base64", param=where) from None
+
+
+def _data_url(url: str, where: str, cap: int) -> tuple[bytes, Optional[str]]:
+    header, sep, payload = url[5:].partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise InvalidRequestError("a data URL image must be data:<media type>;base64,<data>", param=where)
+    return _base64(payload, where, cap), header.removesuffix(";base64") or None
+
+
+def _http(url: str, where: str, config: MediaConfig) -> bytes:
+    host = urlsplit(url).hostname or ""
+    if host not in config.allowed_domains:
+        raise InvalidRequestError(f"image URL host {host!r} is not in the server's allowed media domains "
+                                  "(--allowed-media-domains)", param=where)
+    try:
+        with urllib.request.urlopen(url, timeout=config.fetch_timeout_s) as response:
+            data = response.read(config.max_image_bytes + 1)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise InvalidRequestError(f"cannot fetch the image: {e}", param=where) from None
+    if len(data) > config.max_image_bytes:
+        raise InvalidRequestError(f"the image is over the {config.max_image_bytes}-byte cap", param=where)
+    return data
+
+
+def _local(url: str, where: str, config: MediaConfig) -> bytes:
+    if config.allowed_local_path is None:
+        raise InvalidRequestError("local image files are not served (--allowed-local-media-path)", param=where)
+    root = Path(config.allowed_local_path).resolve()
+    path = Path(unquote(urlsplit(url).path)).resolve()
+    if not path.is_relative_to(root) or not path.is_file():
+        raise InvalidRequestError(f"{path} is not a file under the allowed media folder", param=where)
+    if path.stat().st_size > config.max_image_bytes:
+        raise InvalidRequestError(f"the image is over the {config.max_image_bytes}-byte cap", param=where)
+    return path.read_bytes()
+
+
+def load_image(source: ImageSource, config: MediaConfig) -> Image.Image:
+    """One image part, fetched or decoded from the body, then decoded to RGB (blocking)."""
+    where, media_type = source.where, source.media_type
+    if source.data is not None:
+        data = _base64(source.data, where, config.max_image_bytes)
+    else:
+        url = source.url or ""
+        scheme = urlsplit(url).scheme.lower()
+        if scheme == "data":
+            data, media_type = _data_url(url, where, config.max_image_bytes)
+        elif scheme in ("http", "https"):
+            data = _http(url, where, config)
+        elif scheme == "file":
+            data = _local(url, where, config)
+        else:
+            raise InvalidRequestError(f"image URL scheme {scheme!r} is not supported (data:, http(s):, file:)",
+                                      param=where)
+    return decode_image(data, param=where, media_type=media_type, max_decoded_pixels=config.max_image_pixels)
+
+
+async def load_images(sources: Sequence[ImageSource], config: MediaConfig, param: str) -> list[Image.Image]:
+    """Every image part of a request, decoded on a worker thread; the count is checked first."""
+    if config.max_images is not None and len(sources) > config.max_images:
+        raise InvalidRequestError(f"{len(sources)} images in one request; at most {config.max_images} allowed "
+                                  "(--limit-mm-per-prompt)", param=param)
+    return await asyncio.to_thread(lambda: [load_image(s, config) for s in sources])

@@ -1,0 +1,73 @@
+"""A tokenized prompt with one image placeholder per image -> the model's prompt: each placeholder
+expanded to its image's number of tokens, and the images, hashes and positions that go with it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from prefixserve.errors import InvalidRequestError
+from prefixserve.model.vision_config import VisionConfig
+from prefixserve.multimodal.content_hash import image_content_hash
+from prefixserve.multimodal.image_decode import DEFAULT_MAX_DECODED_PIXELS, decode_image
+from prefixserve.multimodal.inputs import ImageItem, MultimodalPrompt
+from prefixserve.multimodal.positions import mrope_positions
+from prefixserve.multimodal.processor import ProcessedImage, process_image
+
+# what a prompt's text holds where an image goes (the Qwen2-VL chat template's form)
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@dataclass(frozen=True)
+class PreparedImages:
+    """A prompt's images already decoded, processed and hashed (prepare_images), so whoever adds the
+    request does none of that work: AsyncLLM prepares them off the engine thread."""
+    items: tuple[tuple[bytes, ProcessedImage], ...]
+
+
+def prepare_images(images: Sequence[object], vision: VisionConfig, *, param: str,
+                   max_decoded_pixels: int = DEFAULT_MAX_DECODED_PIXELS, min_pixels: int | None = None,
+                   max_pixels: int | None = None) -> list[tuple[bytes, ProcessedImage]]:
+    """Decodes and processes each image (PIL image or encoded bytes): (content hash, patches) each."""
+    out = []
+    for i, data in enumerate(images):
+        where = f"{param}[{i}]"
+        image = decode_image(data, param=where, max_decoded_pixels=max_decoded_pixels)
+        processed = process_image(image, vision, param=where, min_pixels=min_pixels, max_pixels=max_pixels)
+        lo = vision.min_pixels if min_pixels is None else max(vision.min_pixels, min_pixels)
+        hi = vision.max_pixels if max_pixels is None else min(vision.max_pixels, max_pixels)
+        out.append((image_content_hash(image, vision, lo, hi), processed))
+    return out
+
+
+def expand_prompt(token_ids: Sequence[int], images: Sequence[tuple[bytes, ProcessedImage]],
+                  vision: VisionConfig, *, param: str) -> tuple[list[int], MultimodalPrompt]:
+    """(token ids with each image token repeated to its image's length, the prompt's images). A run of
+    image tokens as long as its image's is taken as expanded already (a prompt of token ids)."""
+    pad = vision.image_token_id
+    runs: list[tuple[int, int]] = []   # (first index, length) of each run of image tokens
+    for i, t in enumerate(token_ids):
+        if t != pad:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    if len(runs) != len(images):
+        raise InvalidRequestError(
+            f"the prompt has {len(runs)} image placeholders ({IMAGE_PLACEHOLDER}) for {len(images)} images",
+            param=param)
+    out: list[int] = []
+    items = []
+    previous = 0
+    for n, ((where, length), (digest, processed)) in enumerate(zip(runs, images)):
+        if length not in (1, processed.num_tokens):
+            raise InvalidRequestError(f"image {n} takes {processed.num_tokens} tokens; its placeholder has "
+                                      f"{length} (give one, or exactly that many)", param=param)
+        out.extend(token_ids[previous:where])
+        items.append(ImageItem(digest, processed.pixel_values, processed.grid_thw, len(out), processed.num_tokens))
+        out.extend([pad] * processed.num_tokens)
+        previous = where + length
+    out.extend(token_ids[previous:])
+    positions, delta = mrope_positions(len(out), [(item.start, item.grid_thw) for item in items],
+                                       vision.spatial_merge_size)
+    return out, MultimodalPrompt(tuple(items), positions, delta)

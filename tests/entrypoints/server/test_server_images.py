@@ -1,0 +1,160 @@
+"""Images through a real server: OpenAI image_url parts (data: URLs, file: URLs under the allowed folder)
+and Anthropic base64 image blocks reach the model; image tokens count in prompt_tokens and, on a second
+question about the same picture, in the cached tokens; each bad image is a 400 naming its field while
+the server keeps serving."""
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from live_server import LiveServer, metrics
+from PIL import Image
+
+from prefixserve import EngineConfig, LLMEngine
+from prefixserve.entrypoints.server.app import build_app
+from prefixserve.entrypoints.server.config import ServerConfig
+from prefixserve.entrypoints.server.media import MediaConfig
+from prefixserve.model.random_models import RANDOM_PRESETS
+from prefixserve.multimodal.processor import process_image
+
+MODEL = "random:qwen2.5-vl-tiny"
+MAX_IMAGE_BYTES = 200_000
+
+
+def picture(seed: int, size: tuple[int, int] = (150, 230)) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
+    out = io.BytesIO()
+    image.save(out, format=fmt)
+    return out.getvalue()
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def image_tokens(image: Image.Image) -> int:
+    return process_image(image, RANDOM_PRESETS["qwen2.5-vl-tiny"].vision).num_tokens
+
+
+def bomb() -> bytes:
+    """A small PNG whose header declares 100000 x 100000 pixels."""
+    png = encoded(picture(9, (8, 8)))
+    ihdr = png[12:29]
+    body = b"IHDR" + struct.pack(">II", 100_000, 100_000) + ihdr[12:]
+    return png[:8] + struct.pack(">I", 13) + body + struct.pack(">I", zlib.crc32(body)) + png[33:]
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("media")
+    (folder / "cat.png").write_bytes(encoded(picture(5)))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(media_dir: Path):
+    engine = LLMEngine(EngineConfig(model=MODEL, seed=0, block_size=16, num_kv_blocks=256, max_model_len=2048,
+                                    limit_mm_per_prompt={"image": 2}))
+    config = ServerConfig(max_waiting=64, media=MediaConfig(allowed_local_path=str(media_dir),
+                                                            max_image_bytes=MAX_IMAGE_BYTES, max_images=2))
+    with LiveServer(build_app(engine, config)) as live:
+        yield live
+
+
+def chat(http: httpx.Client, parts: list, text: str = "What is it?") -> httpx.Response:
+    return http.post("/v1/chat/completions", json={
+        "model": MODEL, "max_tokens": 3, "temperature": 0,
+        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]})
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_openai_image_counts_and_caches(http: httpx.Client) -> None:
+    image = picture(1)
+    # the same conversation with the placeholder as plain text: its one <|image_pad|> is the image's tokens
+    as_text = chat(http, [{"type": "text", "text": "<|vision_start|><|image_pad|><|vision_end|>"}])
+    first = chat(http, [image_part(data_url(encoded(image)))])
+    assert first.status_code == 200, first.text
+    tokens = image_tokens(image)
+    assert first.json()["usage"]["prompt_tokens"] == as_text.json()["usage"]["prompt_tokens"] - 1 + tokens
+    second = chat(http, [image_part(data_url(encoded(image)))])   # the same picture as PNG again
+    cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (first.json()["usage"]["prompt_tokens"] - 1) // 16 * 16 >= tokens
+    scraped = metrics(http)
+    assert scraped["prefixserve:encoder_runs_total"] >= 1
+
+
+def test_anthropic_base64_image(http: httpx.Client) -> None:
+    image = picture(2)
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg",
+                                         "data": base64.b64encode(encoded(image, "JPEG")).decode()}}
+    r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 3, "messages": [
+        {"role": "user", "content": [block, {"type": "text", "text": "Describe it."}]}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["input_tokens"] > image_tokens(image)
+
+
+def test_local_file_under_the_allowed_folder(http: httpx.Client, media_dir: Path) -> None:
+    r = chat(http, [image_part((media_dir / "cat.png").as_uri())])
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("case", ["undecodable", "truncated", "mismatched media type", "decompression bomb",
+                                  "too many images", "over the size cap", "URL outside the allow-list",
+                                  "file outside the folder"])
+def test_bad_image_is_a_400_naming_the_field(http: httpx.Client, case: str, tmp_path: Path) -> None:
+    png = encoded(picture(3))
+    field = "messages[0].content[0].image_url.url"
+    parts = {
+        "undecodable": [image_part(data_url(b"definitely not an image"))],
+        "truncated": [image_part(data_url(png[:len(png) // 2]))],
+        "mismatched media type": [image_part(data_url(png, "image/jpeg"))],
+        "decompression bomb": [image_part(data_url(bomb()))],
+        "too many images": [image_part(data_url(png))] * 3,
+        "over the size cap": [image_part(data_url(encoded(picture(4, (400, 400)))))],
+        "URL outside the allow-list": [image_part("http://example.com/cat.png")],
+        "file outside the folder": [image_part((tmp_path / "x.png").as_uri())],
+    }[case]
+    if case == "file outside the folder":
+        (tmp_path / "x.png").write_bytes(png)
+    r = chat(http, parts)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == ("messages" if case == "too many images" else field), error
+    assert chat(http, [image_part(data_url(png))]).status_code == 200
+
+
+def test_the_diagnosis_names_a_changed_picture(http: httpx.Client) -> None:
+    """Two requests whose text is equal and whose picture differs: their token ids are equal, yet the
+    diagnosis finds them diverging at the picture's first token, in the image part, and says why."""
+    def ask(image: Image.Image) -> dict:
+        r = http.post("/v1/chat/completions", json={
+            "model": MODEL, "max_tokens": 2, "temperature": 0, "prefixserve": {"diagnose": True},
+            "messages": [{"role": "system", "content": "You describe pictures for a catalogue, briefly."},
+                         {"role": "user", "content": [{"type": "text", "text": "Item 7:"},
+                                                      image_part(data_url(encoded(image))),
+                                                      {"type": "text", "text": "Describe it."}]}]})
+        assert r.status_code == 200, r.text
+        return r.json()
+    ask(picture(30))
+    same = ask(picture(30))["prefixserve"]["diagnosis"]
+    other = ask(picture(31))
+    diagnosis = other["prefixserve"]["diagnosis"]
+    assert same["note"] != diagnosis["note"]
+    assert "picture" in diagnosis["note"]
+    assert "message 1" in diagnosis["part"]   # the user turn holding the picture
+    assert diagnosis["current_text"].startswith("<image>")
+    # the divergence is the picture's first token: everything before it was shared
+    assert diagnosis["shared_tokens"] == diagnosis["divergence_position"]
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == diagnosis["divergence_position"] // 16 * 16
