@@ -78,3 +78,28 @@ def test_manager_forks_at_the_first_block_the_other_picture_touches() -> None:
     assert other.num_tokens == 37 // BS * BS
     kv.free("a")
     kv.check_integrity()
+
+
+def test_a_breakpoints_partial_block_is_keyed_by_the_picture_in_it() -> None:
+    """A token-exact breakpoint inside a block an image overlaps: the partial block kept for it
+    carries the image's key, so the same tokens with another picture never hit it."""
+    kv = KVCacheManager(KVCacheConfig(num_blocks=32, block_size=BS))
+    rng = np.random.default_rng(3)
+    a = content_hash(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8))
+    b = content_hash(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8))
+    tokens = prompt(37, 30, 100)
+    mark = 70   # inside block 4, which the image (tokens 37-66) overlaps
+    assert mark % BS and mark // BS * BS < 37 + 30
+    spans = [(a, 37, 30)]
+    hit = kv.find_cached_prefix("a", tokens, breakpoints=(mark,), image_spans=spans)
+    # as the scheduler does: a chunk ends at the mark, the next one caches the partial block
+    assert kv.allocate_slots("a", tokens, 0, mark, hit=hit, breakpoints=(mark,),
+                             image_spans=spans) is not None
+    assert kv.allocate_slots("a", tokens, mark, len(tokens) - mark) is not None
+    kv.free("a")
+    later = tokens[:mark] + [6000 + i for i in range(30)]   # the same prefix up to the mark only
+    same = kv.find_cached_prefix("a2", later, breakpoints=(mark,), image_spans=spans)
+    other = kv.find_cached_prefix("b", later, breakpoints=(mark,), image_spans=[(b, 37, 30)])
+    assert same.num_tokens == mark
+    assert other.num_tokens == 37 // BS * BS
+    kv.check_integrity()
