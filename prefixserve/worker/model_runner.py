@@ -24,6 +24,7 @@ from prefixserve.model.huge_pages import zeros_on_huge_pages
 from prefixserve.model.kv_layout import kv_cache_bytes_per_block, kv_cache_shape
 from prefixserve.model.loader import LoadedModel
 from prefixserve.model.platform import platform_for
+from prefixserve.worker.batched_sampler import BatchedSampler
 from prefixserve.worker.block_tables import BlockTables
 from prefixserve.worker.sampler import SampleResult, Sampler, SamplingRow
 
@@ -83,8 +84,10 @@ class ModelRunner:
         # Grammar masks are computed on a worker thread during the forward only where the forward
         # runs on an accelerator. On CPU the masks cost less than handing them to a thread (the
         # GIL and the wake-up), even with a core to spare (docs/structured-output.md).
-        self.sampler = Sampler(vocab_limit, device=self.device,
-                               overlap_masks=self.device.type != "cpu")
+        # On an accelerator the whole batch is sampled in a few tensor ops with one transfer back
+        # (batched_sampler.py); on the CPU the per-row sampler is as fast or faster (scripts/sampler_bench.py).
+        sampler_class = Sampler if self.device.type == "cpu" else BatchedSampler
+        self.sampler = sampler_class(vocab_limit, device=self.device, overlap_masks=self.device.type != "cpu")
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         # Built now, not on the first request: the first request is not slowed by compiles,
         # and which kernels are active (and why not) is known from the start.
