@@ -89,7 +89,8 @@ class LLMEngine:
         ), self.kv, clock=clock)
         self.runner = ModelRunner(self.loaded, block_size=config.block_size, num_blocks=num_blocks,
                                   vocab_limit=self.tokenizer.vocab_size, seed=config.seed,
-                                  kv_layout=config.kv_layout)
+                                  kv_layout=config.kv_layout, max_num_seqs=config.max_num_seqs,
+                                  max_model_len=self.max_model_len, enforce_eager=config.enforce_eager)
         self.intake = Intake(self.tokenizer, vocab_size=self.model_config.vocab_size,
                              max_model_len=self.max_model_len, clock=clock, grammar_compiler=grammar_compiler)
         self.groups = SampleGroups(self.tokenizer, self.device)

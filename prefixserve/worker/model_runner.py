@@ -26,6 +26,7 @@ from prefixserve.model.loader import LoadedModel
 from prefixserve.model.platform import platform_for
 from prefixserve.worker.batched_sampler import BatchedSampler
 from prefixserve.worker.block_tables import BlockTables
+from prefixserve.worker.device_block_tables import DeviceBlockTables
 from prefixserve.worker.sampler import SampleResult, Sampler, SamplingRow
 
 
@@ -63,7 +64,11 @@ def num_blocks_for_memory(loaded: LoadedModel, block_size: int, kv_cache_memory:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, *, block_size: int, num_blocks: int,
-                 vocab_limit: int | None = None, seed: int = 0, kv_layout: str = "auto") -> None:
+                 vocab_limit: int | None = None, seed: int = 0, kv_layout: str = "auto",
+                 max_num_seqs: int | None = None, max_model_len: int | None = None,
+                 enforce_eager: bool = False) -> None:
+        """max_num_seqs, max_model_len: the step limits a decode program sizes its buffers for;
+        enforce_eager: no decode program (on CUDA: no graphs), every step through the modules."""
         self.model = loaded.model
         self.config = loaded.config
         self.block_size = block_size
@@ -81,6 +86,8 @@ class ModelRunner:
         self.kv_caches = [zeros_on_huge_pages(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.config.num_hidden_layers)]
         self.block_tables = BlockTables()
+        # off the CPU the tables live on the device too, updated by the cells each step changes
+        self.device_tables = None if self.device.type == "cpu" else DeviceBlockTables(self.block_tables, self.device)
         # Grammar masks are computed on a worker thread during the forward only where the forward
         # runs on an accelerator. On CPU the masks cost less than handing them to a thread (the
         # GIL and the wake-up), even with a core to spare (docs/structured-output.md).
@@ -93,7 +100,9 @@ class ModelRunner:
         # and which kernels are active (and why not) is known from the start.
         self.kernels = self.platform.load_kernels()
         # decode-only steps as one fixed sequence of kernel calls, where the platform, model and kernels allow
-        self.decode_program = self.platform.decode_program(self.model, self.kv_caches, self.kv_layout)
+        max_blocks = None if max_model_len is None else -(-max_model_len // block_size)
+        self.decode_program = None if enforce_eager else self.platform.decode_program(
+            self.model, self.kv_caches, self.kv_layout, max_batch=max_num_seqs, max_blocks=max_blocks)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -145,8 +154,12 @@ class ModelRunner:
         width = int(tables.lengths[rows].max())
         block_tables = tables.array[rows, :width]
         layout = token_layout(query_start_loc, seq_lens)
+        device_tables = None
+        if self.device_tables is not None:
+            self.device_tables.sync()
+            device_tables = self.device_tables.gather(rows, width)
         common = AttentionMetadata.from_host(query_start_loc, seq_lens, block_tables, self.block_size,
-                                             self.device, layout, self.kv_layout)
+                                             self.device, layout, self.kv_layout, device_tables)
         logit_rows = np.repeat(query_start_loc[1:] - 1, samples)
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),

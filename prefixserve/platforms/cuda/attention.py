@@ -33,14 +33,15 @@ RANK = 10
 @register_backend("triton", devices=("cuda", "cpu"), dtypes=(torch.float32, torch.bfloat16, torch.float16),
                   rank=RANK, auto_devices=("cuda",))
 class TritonPagedAttention(AttentionBackend):
-    def __init__(self, device: torch.device | str = "cuda", split_tokens: int | None = None) -> None:
-        """split_tokens: every decode split's size in keys (tests); None: sized to fill the device."""
+    def __init__(self, device: torch.device | str = "cuda", num_splits: int | None = None) -> None:
+        """num_splits: how many splits every decode context is cut into (tests); None: enough to fill the
+        device."""
         # imported here, not at module level: the package imports where Triton is absent, and Triton's mode
         # (compiled or interpreted) is settled for the device first
         prepare(torch.device(device).type)
         from prefixserve.platforms.cuda import paged_attention
         self._kernels = paged_attention
-        self.split_tokens = split_tokens
+        self.num_splits = num_splits
 
     def build_metadata(self, common: AttentionMetadata) -> StepPlan:
         return StepPlan(common)
@@ -57,7 +58,7 @@ class TritonPagedAttention(AttentionBackend):
         if step.plan is None:
             # tile and split sizes follow the model's heads, first seen here; every later layer reuses them
             num_kv_heads = kv_cache.shape[3]
-            step.plan = kernels.plan_step(meta, num_kv_heads, q.shape[1] // num_kv_heads, tiles, self.split_tokens)
+            step.plan = kernels.plan_step(meta, num_kv_heads, q.shape[1] // num_kv_heads, tiles, self.num_splits)
         plan = step.plan
         if plan.prefill is not None:
             kernels.prefill(q, kv_cache, plan.prefill, scale, out, tiles)

@@ -8,8 +8,9 @@ are base 2 too. Head dims that are not a power of two are padded up and masked.
 - `prefill_kernel`: the query rows of every chunk of the step (new tokens over a cached context, causal
   within the chunk), one program per (tile of a chunk's rows, query head); the tiles of all chunks are
   listed on the host, so one launch serves a ragged batch.
-- `decode_split_kernel`: one query token per sequence, the G query heads of a KV head together, the
-  context cut into splits (flash-decoding); each split writes its normalised output and its LSE.
+- `decode_split_kernel`: one query token per sequence, the G query heads of a KV head together, each
+  sequence's context cut into the launch's number of splits (flash-decoding); each split writes its
+  normalised output and its LSE.
 - `shared_run_kernel`: the cascade's shared prefix: many sequences' queries stacked over one run of
   blocks, read once per split, writing partial results beside the suffix splits.
 - `combine_kernel`: the partial results of a sequence merged through their LSEs into its output row.
@@ -69,7 +70,7 @@ def prefill_kernel(Q, K_CACHE, V_CACHE, OUT, TILE_CHUNK, TILE_START, Q_START, Q_
              out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def decode_split_kernel(Q, K_CACHE, V_CACHE, PART_OUT, PART_LSE, ROWS, TABLES, LENS, scale, split_tokens,
+def decode_split_kernel(Q, K_CACHE, V_CACHE, PART_OUT, PART_LSE, ROWS, TABLES, LENS, scale,
                         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_table,
                         stride_pn, stride_ph, stride_ps, stride_ln, stride_lh,
                         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
@@ -80,6 +81,9 @@ def decode_split_kernel(Q, K_CACHE, V_CACHE, PART_OUT, PART_LSE, ROWS, TABLES, L
     split = tl.program_id(2)
     row = tl.load(ROWS + seq)
     length = tl.load(LENS + seq)
+    # each sequence cuts its own context into the launch's splits (whole key tiles each), so the grid and
+    # the arguments stay the same from step to step (a CUDA graph replays them) while lengths change
+    split_tokens = tl.cdiv(tl.cdiv(length, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     lo = split * split_tokens
     hi = tl.minimum(lo + split_tokens, length)
     offs_g = tl.arange(0, GROUP_P2)

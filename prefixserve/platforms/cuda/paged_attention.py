@@ -47,15 +47,14 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def split_tokens_for(longest: int, programs: int, device: torch.device, block_n: int) -> int:
-    """Keys per split so that a launch of `programs` programs per split fills the device; a multiple of
-    block_n. The CPU interpreter runs programs one after another: one split."""
+def splits_for(longest: int, programs: int, device: torch.device, block_n: int) -> int:
+    """How many splits a launch of `programs` programs a split cuts each context into to fill the device
+    (never more than the longest context has key tiles). The CPU interpreter runs programs one after
+    another: one split."""
     if device.type != "cuda":
-        wanted = 1
-    else:
-        wanted = min(MAX_SPLITS, max(1, -(-PROGRAMS_PER_SM * _sm_count(device.index or 0) // max(programs, 1))))
-    per_split = -(-max(longest, 1) // wanted)
-    return -(-per_split // block_n) * block_n
+        return 1
+    wanted = -(-PROGRAMS_PER_SM * _sm_count(device.index or 0) // max(programs, 1))
+    return max(1, min(MAX_SPLITS, wanted, -(-longest // block_n)))
 
 
 @dataclass
@@ -82,8 +81,7 @@ class SharedRunSplits:
 @dataclass
 class DecodeSplits:
     plan: DecodePlan
-    split_tokens: int
-    num_splits: int            # of the suffix
+    num_splits: int            # of each suffix
     runs: tuple[SharedRunSplits, ...]
     num_parts: int
 
@@ -114,35 +112,37 @@ def plan_prefill(meta: AttentionMetadata, block_m: int) -> PrefillTiles | None:
 
 
 def plan_decode_splits(meta: AttentionMetadata, num_kv_heads: int, group: int, tiles: Tiles,
-                       split_tokens: int | None = None) -> DecodeSplits | None:
-    """The step's decode plan with its splits; `split_tokens` fixes every split's size (tests)."""
+                       num_splits: int | None = None) -> DecodeSplits | None:
+    """The step's decode plan with its splits; `num_splits` fixes how many each context is cut into (tests)."""
     plan = plan_decode(meta, 1)
     if plan is None:
         return None
     device = meta.seq_lens.device
     n = len(plan.suffix_lens)
     suffix_longest = int(plan.suffix_tables.shape[1]) * meta.block_size
-    suffix_split = split_tokens or split_tokens_for(suffix_longest, n * num_kv_heads, device, tiles.block_n)
-    num_splits = max(1, -(-suffix_longest // suffix_split))
-    runs, parts = [], num_splits
+    suffix_splits = num_splits or splits_for(suffix_longest, n * num_kv_heads, device, tiles.block_n)
+    runs = []
     # a run's parts come after the suffix's; members of different runs never overlap, so runs share columns
     run_parts = 0
     for run in plan.shared:
         tokens = int(len(run.blocks)) * meta.block_size
         row_tiles = -(-len(run.members) * group // tiles.block_m)
-        per_split = split_tokens or split_tokens_for(tokens, row_tiles * num_kv_heads, device, tiles.block_n)
+        count = num_splits or splits_for(tokens, row_tiles * num_kv_heads, device, tiles.block_n)
+        # whole key tiles a split; rounding up may leave fewer splits than asked
+        per_split = -(-tokens // count)
+        per_split = -(-per_split // tiles.block_n) * tiles.block_n
         count = -(-tokens // per_split)
-        runs.append(SharedRunSplits(run.members, run.blocks, tokens, per_split, count, parts))
+        runs.append(SharedRunSplits(run.members, run.blocks, tokens, per_split, count, suffix_splits))
         run_parts = max(run_parts, count)
-    return DecodeSplits(plan, suffix_split, num_splits, tuple(runs), parts + run_parts)
+    return DecodeSplits(plan, suffix_splits, tuple(runs), suffix_splits + run_parts)
 
 
 def plan_step(meta: AttentionMetadata, num_kv_heads: int, group: int, tiles: Tiles,
-              split_tokens: int | None = None) -> TritonStep:
+              num_splits: int | None = None) -> TritonStep:
     if meta.kv_layout != ROWS:
         raise ValueError(f"the Triton kernels read pools laid out in rows, not {meta.kv_layout!r}")
     return TritonStep(meta, plan_prefill(meta, tiles.block_m),
-                      plan_decode_splits(meta, num_kv_heads, group, tiles, split_tokens))
+                      plan_decode_splits(meta, num_kv_heads, group, tiles, num_splits))
 
 
 def prefill(q: torch.Tensor, kv_cache: torch.Tensor, step: PrefillTiles, scale: float, out: torch.Tensor,
@@ -183,9 +183,9 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, step: DecodeSplits, scale: f
     common = dict(BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, HEAD_P2=head_p2,
                   BLOCK_N=tiles.block_n, DOT_PRECISION=precision, num_warps=tiles.num_warps)
     compiled(K.decode_split_kernel, device)[(n, num_kv_heads, step.num_splits)](
-        q, keys, values, part_out, part_lse, plan.rows, plan.suffix_tables, plan.suffix_lens, scale,
-        step.split_tokens, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        plan.suffix_tables.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        q, keys, values, part_out, part_lse, plan.rows, plan.suffix_tables, plan.suffix_lens, scale, q.stride(0),
+        q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), plan.suffix_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), GROUP_P2=max(16, next_power_of_2(group)), **common)
     for run in step.runs:
         members = len(run.members)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from prefixserve.model.kv_layout import ROWS
 from prefixserve.model.platform import Platform, register_platform
 from prefixserve.platforms.cuda import attention  # noqa: F401  (registers the "triton" backend)
 from prefixserve.platforms.cuda.triton_runtime import TritonUnavailable, prepare, triton_missing
@@ -66,6 +67,17 @@ class CudaPlatform(Platform):
         if self._pointwise is not None and gate_up.dim() == 2 and _plain(gate_up):
             return self._pointwise.silu_and_mul(gate_up)
         return Platform.silu_and_mul(self, gate_up)
+
+    def decode_program(self, model: Any, kv_caches: list[torch.Tensor], layout: str, *,
+                       max_batch: int | None = None, max_blocks: int | None = None) -> Any:
+        """Decode steps as CUDA graphs (graphs.py), where the model attends through the Triton backend over a
+        rows pool on a CUDA device and the step limits are known."""
+        if (max_batch is None or max_blocks is None or layout != ROWS or not kv_caches
+                or kv_caches[0].device.type != "cuda"
+                or not isinstance(getattr(model, "attention_backend", None), attention.TritonPagedAttention)):
+            return None
+        from prefixserve.platforms.cuda.graphs import DecodeGraphs
+        return DecodeGraphs(model, kv_caches, max_batch, max_blocks)
 
     def kernel_report(self) -> dict[str, dict[str, object]]:
         why = triton_missing()

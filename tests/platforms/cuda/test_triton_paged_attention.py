@@ -41,7 +41,7 @@ def random_step(rng: random.Random, *, num_blocks: int, block_size: int, chunks:
 
 
 def run_both(query_lens, seq_lens, tables, *, block_size, num_blocks, heads, kv_heads, head_dim, seed,
-             split_tokens=None):
+             num_splits=None):
     torch.manual_seed(seed)
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, KERNEL_DEVICE)
     tokens = sum(query_lens)
@@ -52,7 +52,7 @@ def run_both(query_lens, seq_lens, tables, *, block_size, num_blocks, heads, kv_
     reference = TorchPagedAttention(use_native=False)
     expected_pool = pool.clone()
     expected = reference.forward(q, k, v, expected_pool, reference.build_metadata(meta), scale)
-    backend = TritonPagedAttention(device=KERNEL_DEVICE, split_tokens=split_tokens)
+    backend = TritonPagedAttention(device=KERNEL_DEVICE, num_splits=num_splits)
     got = backend.forward(q, k, v, pool, backend.build_metadata(meta), scale)
     assert torch.equal(pool, expected_pool)
     return got, expected
@@ -70,13 +70,13 @@ def test_ragged_prefill_over_cached_contexts(heads, kv_heads, head_dim):
     assert (got - expected).abs().max().item() < TOLERANCE
 
 
-@pytest.mark.parametrize("split_tokens", [16, 32, None])
-def test_decode_split_over_long_contexts(split_tokens):
-    rng = random.Random(split_tokens or 0)
+@pytest.mark.parametrize("num_splits", [3, 8, None])
+def test_decode_split_over_long_contexts(num_splits):
+    rng = random.Random(num_splits or 0)
     chunks = [(rng.randrange(0, 150), 1) for _ in range(5)] + [(0, 1)]
     step = random_step(rng, num_blocks=120, block_size=8, chunks=chunks)
     got, expected = run_both(*step, block_size=8, num_blocks=120, heads=8, kv_heads=2, head_dim=16, seed=2,
-                             split_tokens=split_tokens)
+                             num_splits=num_splits)
     assert (got - expected).abs().max().item() < TOLERANCE
 
 
@@ -98,5 +98,5 @@ def test_cascade_shares_a_prefix_and_merges_each_suffix(block_size, shared):
     plan = plan_decode(meta)
     assert plan is not None and len(plan.shared) == 1 and len(plan.shared[0].members) == 6
     got, expected = run_both(query_lens, seq_lens, tables, block_size=block_size, num_blocks=80, heads=4,
-                             kv_heads=2, head_dim=16, seed=3, split_tokens=16)
+                             kv_heads=2, head_dim=16, seed=3, num_splits=3)
     assert (got - expected).abs().max().item() < TOLERANCE
