@@ -49,7 +49,8 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str, positio
                         "place (a bfloat16 model on a CPU with avx512_bf16, a float32 model on one with AVX-512; "
                         "block size and head dim multiples of 16), rows elsewhere (default: %(default)s)")
     g.add_argument("--enforce-eager", action="store_true", default=_DEFAULTS.enforce_eager,
-                   help="run every step through the modules: on CUDA, no decode graphs")
+                   help="run every step through the modules: on CUDA no decode graphs, on the CPU no native "
+                        "decode loop")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=_DEFAULTS.enable_prefix_caching,
                    help="reuse the KV blocks of prompt prefixes computed before")

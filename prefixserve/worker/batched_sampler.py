@@ -32,12 +32,12 @@ UNIFORM_BITS = 24
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix (Wellons' lowbias32) of int64 tensors holding values below 2**32; int64
-    products wrap, and their low 32 bits are the unsigned product's."""
+    """A 32-bit integer mix (xorshift-multiply, after Wellons' lowbias32) of int64 tensors holding values
+    below 2**32. Both multipliers are odd and below 2**31, so no int64 product overflows."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & MASK32
     x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & MASK32
+    x = (x * 0x27D4EB2F) & MASK32
     return x ^ (x >> 16)
 
 
