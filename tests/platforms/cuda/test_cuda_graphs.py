@@ -1,6 +1,7 @@
 """What only a GPU runs: decode steps replayed as CUDA graphs against the same engine run eagerly
-(--enforce-eager), the Triton kernels in bfloat16 against the torch backend on the same GPU, and the
-batched sampler on the device against the per-row one. Skipped without a CUDA device."""
+(--enforce-eager), the Triton kernels in bfloat16 against the torch backend on the same GPU, the
+batched sampler on the device against the per-row one, and a mem:// store under a GPU pool (pinned host
+buffers, side-stream copies) giving back the blocks the pool evicted. Skipped without a CUDA device."""
 from __future__ import annotations
 
 import random
@@ -8,6 +9,7 @@ import random
 import pytest
 import torch
 
+from kv_store_helpers import BLOCK, PARAMS, POOL_BLOCKS, documents, full_blocks
 from prefixserve import LLM, SamplingParams
 from prefixserve.model.attention.metadata import AttentionMetadata
 from prefixserve.model.attention.torch_paged import TorchPagedAttention
@@ -71,3 +73,18 @@ def test_batched_sampler_on_the_device_matches_the_per_row_sampler_for_greedy_ro
     got = BatchedSampler(device="cuda")(logits, rows)
     assert got.token_ids == expected.token_ids
     assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-4)
+
+
+def test_a_memory_store_under_a_gpu_pool_gives_back_what_the_pool_evicted(tiny_checkpoint):
+    model = str(tiny_checkpoint("qwen3"))
+    docs = documents()
+    assert len(docs) * len(docs[0]) // BLOCK > 2 * POOL_BLOCKS   # the pool cannot hold them
+    reference = LLM(model, dtype="float32", device="cuda", enable_prefix_caching=False, num_kv_blocks=64)
+    want = [o.outputs[0].token_ids for o in reference.generate([{"prompt_token_ids": d} for d in docs], PARAMS)]
+    llm = LLM(model, dtype="float32", device="cuda", num_kv_blocks=POOL_BLOCKS, kv_stores=["mem://?size=64MiB"])
+    for round_ in range(2):
+        outs = [llm.generate({"prompt_token_ids": d}, PARAMS)[0] for d in docs]
+        assert [o.outputs[0].token_ids for o in outs] == want
+        cached = [o.num_cached_tokens for o in outs]
+        assert cached == ([0] * len(docs) if round_ == 0 else [full_blocks(d) for d in docs])
+    llm.close()
