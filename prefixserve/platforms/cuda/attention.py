@@ -19,6 +19,7 @@ from prefixserve.model.attention.registry import register_backend
 from prefixserve.model.kv_layout import ROWS, write_kv
 from prefixserve.platforms.cuda.triton_runtime import prepare
 
+
 @dataclass
 class StepPlan:
     """The step's generic metadata and the kernels' plan of it, built by the first layer."""

@@ -88,7 +88,7 @@ class DecodeGraphs:
                           suffix_padded=True, suffix_lens=self.seq_lens[:batch], shared=(),
                           block_size=self.block_size)
         decode = kernels.DecodeSplits(plan, splits, (), splits)
-        return StepPlan(common, kernels.TritonStep(common, None, decode))
+        return StepPlan(common, kernels.TritonStep(None, decode))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

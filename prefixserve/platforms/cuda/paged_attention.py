@@ -88,7 +88,7 @@ class DecodeSplits:
 
 @dataclass
 class TritonStep:
-    common: AttentionMetadata
+    """What every layer's launches of one step read: the prefill tiles and the decode splits."""
     prefill: PrefillTiles | None
     decode: DecodeSplits | None
 
@@ -141,7 +141,7 @@ def plan_step(meta: AttentionMetadata, num_kv_heads: int, group: int, tiles: Til
               num_splits: int | None = None) -> TritonStep:
     if meta.kv_layout != ROWS:
         raise ValueError(f"the Triton kernels read pools laid out in rows, not {meta.kv_layout!r}")
-    return TritonStep(meta, plan_prefill(meta, tiles.block_m),
+    return TritonStep(plan_prefill(meta, tiles.block_m),
                       plan_decode_splits(meta, num_kv_heads, group, tiles, num_splits))
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kernel_device import KERNEL_DEVICE
+from prefixserve.model.attention.cascade import plan_decode
 from prefixserve.model.attention.metadata import AttentionMetadata
 from prefixserve.model.attention.torch_paged import TorchPagedAttention
 from prefixserve.platforms.cuda.attention import TritonPagedAttention
@@ -49,7 +50,7 @@ def run_both(query_lens, seq_lens, tables, *, block_size, num_blocks, heads, kv_
         (2, num_blocks, block_size, kv_heads, head_dim), (tokens, heads, head_dim), (tokens, kv_heads, head_dim),
         (tokens, kv_heads, head_dim)))
     scale = head_dim ** -0.5
-    reference = TorchPagedAttention(use_native=False)
+    reference = TorchPagedAttention(use_native=False, device=KERNEL_DEVICE)
     expected_pool = pool.clone()
     expected = reference.forward(q, k, v, expected_pool, reference.build_metadata(meta), scale)
     backend = TritonPagedAttention(device=KERNEL_DEVICE, num_splits=num_splits)
@@ -94,7 +95,6 @@ def test_cascade_shares_a_prefix_and_merges_each_suffix(block_size, shared):
     seq_lens += [30, 12]
     tables += [free[:4], free[4:6]]
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
-    from prefixserve.model.attention.cascade import plan_decode
     plan = plan_decode(meta)
     assert plan is not None and len(plan.shared) == 1 and len(plan.shared[0].members) == 6
     got, expected = run_both(query_lens, seq_lens, tables, block_size=block_size, num_blocks=80, heads=4,
