@@ -20,15 +20,23 @@ imports another: tests/test_test_tree.py): live_server.py (LiveServer, the share
 MODEL, assert_pool_idle, metrics), tool_fixtures.py, bad_inputs.py, diagnose_logs.py,
 cache_reuse_oracle.py, routing_oracle.py, replica_service.py, prefix_caching_oracle.py,
 bf16_reference.py, waiting.py (wait_until), checkpoint_factory.py, redis_server.py,
-kv_store_helpers.py, native_kernel_build.py and import_graph.py. Fixtures a folder shares sit
+kv_store_helpers.py, native_kernel_build.py, import_graph.py and kernel_device.py. Fixtures a folder shares sit
 in its conftest.py (entrypoints/server/: server, http; replicas/: cluster).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels (prefixserve/platforms/cuda) are tested on the CPU under Triton's
+# interpreter, a mode Triton fixes when it is first imported, and transformers imports it (through
+# torch._dynamo) below: choose it now. With a GPU they are tested compiled, on the GPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from checkpoint_factory import ARCHITECTURES, write_tiny_checkpoint
 from redis_server import RedisServer

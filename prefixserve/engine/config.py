@@ -42,6 +42,9 @@ class EngineConfig:
     # read them (a bfloat16 pool on a CPU with avx512_bf16, a float32 one on AVX-512; blocks and head
     # dims of whole 16-element panels), rows elsewhere.
     kv_layout: str = "auto"
+    # No decode program, every step through the modules: on CUDA no decode graphs (platforms/cuda/graphs.py),
+    # on the CPU no native decode loop (platforms/cpu/decode_program.py).
+    enforce_eager: bool = False
     enable_prefix_caching: bool = True
     hash_algo: str = "xxh3_64"
     eviction_policy: str = "lru"

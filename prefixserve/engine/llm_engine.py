@@ -89,7 +89,9 @@ class LLMEngine:
         ), self.kv, clock=clock)
         self.runner = ModelRunner(self.loaded, block_size=config.block_size, num_blocks=num_blocks,
                                   vocab_limit=self.tokenizer.vocab_size, seed=config.seed,
-                                  kv_layout=config.kv_layout, encoder_cache_bytes=config.encoder_cache_bytes)
+                                  kv_layout=config.kv_layout, encoder_cache_bytes=config.encoder_cache_bytes,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  enforce_eager=config.enforce_eager)
         self.intake = Intake(self.tokenizer, vocab_size=self.model_config.vocab_size,
                              max_model_len=self.max_model_len, clock=clock, grammar_compiler=grammar_compiler,
                              vision=self.model_config.vision,

@@ -49,6 +49,9 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str, positio
                    help="how the KV pool holds K/V: panels where the native attention tiles read them in "
                         "place (a bfloat16 model on a CPU with avx512_bf16, a float32 model on one with AVX-512; "
                         "block size and head dim multiples of 16), rows elsewhere (default: %(default)s)")
+    g.add_argument("--enforce-eager", action="store_true", default=_DEFAULTS.enforce_eager,
+                   help="run every step through the modules: on CUDA no decode graphs, on the CPU no native "
+                        "decode loop")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=_DEFAULTS.enable_prefix_caching,
                    help="reuse the KV blocks of prompt prefixes computed before")

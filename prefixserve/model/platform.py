@@ -123,9 +123,11 @@ class Platform:
                              f"the {self.name} platform lays pools out in: {', '.join(self.kv_layouts)}")
         return requested
 
-    def decode_program(self, model: Any, kv_caches: list[torch.Tensor], layout: str) -> Any:
+    def decode_program(self, model: Any, kv_caches: list[torch.Tensor], layout: str, *,
+                       max_batch: int | None = None, max_blocks: int | None = None) -> Any:
         """An object whose `applies(meta, tokens)` / `run(input_ids, positions, meta)` run decode-only steps
-        faster than the modules, or None where none applies."""
+        faster than the modules, or None where none applies. max_batch and max_blocks: the most sequences a
+        step holds and the most blocks a sequence's table holds (where the program sizes buffers for them)."""
         return None
 
     def paged_attention_kernels(self) -> Any:

@@ -6,6 +6,7 @@ import importlib
 
 PLATFORM_MODULES = (
     "prefixserve.platforms.cpu.platform",
+    "prefixserve.platforms.cuda.platform",
 )
 
 for _module in PLATFORM_MODULES:

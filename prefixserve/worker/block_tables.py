@@ -22,6 +22,10 @@ class BlockTables:
         self.lengths = np.zeros(rows, dtype=np.int64)
         self._rows: dict[str, int] = {}
         self._free = list(range(rows - 1, -1, -1))
+        # (row, first column, end column) of every write since the last `take_changes`, kept only once a
+        # device copy updated by deltas asks for them (device_block_tables.py)
+        self.changes: list[tuple[int, int, int]] | None = None
+        self.reshaped = False
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -53,6 +57,7 @@ class BlockTables:
         if old > n:
             self.array[row, n:old] = 0
         self.lengths[row] = n
+        self._changed(row, 0, max(n, old))
         return row
 
     def append(self, request_id: str, block_ids: Sequence[int]) -> int:
@@ -63,20 +68,34 @@ class BlockTables:
         self._fit_columns(end)
         self.array[row, start:end] = block_ids
         self.lengths[row] = end
+        self._changed(row, start, end)
         return row
 
     def drop(self, request_id: str) -> None:
         row = self._rows.pop(request_id, None)
         if row is not None:
+            self._changed(row, 0, int(self.lengths[row]))
             self.array[row, :self.lengths[row]] = 0
             self.lengths[row] = 0
             self._free.append(row)
+
+    def take_changes(self) -> tuple[list[tuple[int, int, int]], bool]:
+        """The writes since the last call and whether the array was reallocated meanwhile; forgets them.
+        The first call starts the record."""
+        changes, reshaped = self.changes or [], self.reshaped
+        self.changes, self.reshaped = [], False
+        return changes, reshaped
+
+    def _changed(self, row: int, start: int, end: int) -> None:
+        if self.changes is not None:
+            self.changes.append((row, start, end))
 
     def _take_row(self) -> int:
         if not self._free:
             rows, columns = self.array.shape
             self.array = np.concatenate([self.array, np.zeros((rows, columns), dtype=np.int64)])
             self.lengths = np.concatenate([self.lengths, np.zeros(rows, dtype=np.int64)])
+            self.reshaped = True
             self._free = list(range(2 * rows - 1, rows - 1, -1))
         return self._free.pop()
 
@@ -86,3 +105,4 @@ class BlockTables:
             wider = np.zeros((rows, max(needed, 2 * columns)), dtype=np.int64)
             wider[:, :columns] = self.array
             self.array = wider
+            self.reshaped = True

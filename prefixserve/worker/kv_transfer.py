@@ -4,6 +4,12 @@ A block's payload is its K and V for every layer, as [layers, 2, *block] in the 
 layout (model/kv_layout.py: a block of rows [block_size, kv_heads, head_dim], or of a platform's layout),
 little-endian as the pool holds it: the layout named by `payload_layout`, which is part of every
 stored block's key scope, so a pool of one layout never reads blocks stored from the other.
+
+With a GPU pool the host side of every transfer is pinned memory and the copies run on a side stream
+(`transfer_stream`): blocks going out are gathered and copied after the compute queued before them,
+blocks coming in are copied into the pool while the host carries on, and the compute stream waits for
+them before its next forward reads the pool. Every store (mem://, file://, redis://) reads and writes
+through these same host buffers.
 """
 from __future__ import annotations
 
@@ -20,14 +26,47 @@ def payload_layout(config: ModelConfig, block_size: int, layout: str = ROWS) -> 
     return layout_named(layout).payload_name(config, block_size)
 
 
+_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def transfer_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The side stream of a CUDA device's block transfers (one a device, made on first use)."""
+    stream = _STREAMS.get(device)
+    if stream is None:
+        stream = _STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
 @torch.inference_mode()
 def read_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> np.ndarray:
     """A copy of the blocks' payloads as uint8 rows, one per block ([n, payload bytes])."""
-    idx = torch.tensor(list(block_ids), dtype=torch.long, device=kv_caches[0].device)
-    # [L, 2, n, *block] -> [n, L, 2, *block]
-    data = torch.stack([cache.index_select(1, idx) for cache in kv_caches]).permute(2, 0, 1, 3, 4, 5)
-    data = data.contiguous().cpu()
+    device = kv_caches[0].device
+    if device.type == "cuda":
+        return _read_blocks_cuda(kv_caches, block_ids, device)
+    idx = torch.tensor(list(block_ids), dtype=torch.long, device=device)
+    data = _payloads(kv_caches, idx).cpu()
     return data.view(torch.uint8).reshape(len(block_ids), -1).numpy()
+
+
+def _payloads(kv_caches: Sequence[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+    """[n, L, 2, *block] contiguous: the blocks `idx` of every layer."""
+    # [L, 2, n, *block] -> [n, L, 2, *block]
+    return torch.stack([cache.index_select(1, idx) for cache in kv_caches]).permute(2, 0, 1, 3, 4, 5).contiguous()
+
+
+def _read_blocks_cuda(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], device: torch.device
+                      ) -> np.ndarray:
+    stream = transfer_stream(device)
+    # after every write the compute stream has queued into these blocks
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        idx = torch.tensor(list(block_ids), dtype=torch.long).pin_memory().to(device, non_blocking=True)
+        data = _payloads(kv_caches, idx)
+        host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+        host.copy_(data, non_blocking=True)
+    # the store takes the bytes now; only this stream is waited for, not the compute queued behind it
+    stream.synchronize()
+    return host.view(torch.uint8).reshape(len(block_ids), -1).numpy()
 
 
 class LoadTargets:
@@ -53,8 +92,10 @@ class LoadTargets:
             self.buffers = [[layer[(kv * num_blocks + b) * size:(kv * num_blocks + b + 1) * size]
                              for layer in layers for kv in (0, 1)] for b in self.block_ids]
         else:
+            # pinned where the pool is on a GPU: the copy into the pool then runs asynchronously
             self._staging = torch.empty((len(self.block_ids), len(kv_caches), 2, *kv_caches[0].shape[2:]),
-                                        dtype=kv_caches[0].dtype)
+                                        dtype=kv_caches[0].dtype,
+                                        pin_memory=kv_caches[0].device.type == "cuda")
             row = self._staging[0, 0, 0].numel() * self._staging.element_size()
             flat = _bytes_of(self._staging)
             self.buffers = [[flat[(i * 2 * len(kv_caches) + r) * row:
@@ -67,8 +108,24 @@ class LoadTargets:
         read into it directly)."""
         if self._staging is None or count == 0:
             return
-        idx = torch.tensor(self.block_ids[:count], dtype=torch.long, device=self.kv_caches[0].device)
-        data = self._staging[:count].to(self.kv_caches[0].device)
+        device = self.kv_caches[0].device
+        if device.type != "cuda":
+            self._copy_in(count, device)
+            return
+        stream = transfer_stream(device)
+        compute = torch.cuda.current_stream(device)
+        # the blocks may have been written by compute queued before (their previous contents)
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            self._copy_in(count, device)
+        # the next forward (on the compute stream) reads the pool only once the copies landed; the host
+        # does not wait. The pinned staging stays alive until then: the allocator records the copy's use.
+        compute.wait_stream(stream)
+
+    def _copy_in(self, count: int, device: torch.device) -> None:
+        assert self._staging is not None
+        idx = torch.tensor(self.block_ids[:count], dtype=torch.long).to(device, non_blocking=True)
+        data = self._staging[:count].to(device, non_blocking=True)
         for layer, cache in enumerate(self.kv_caches):
             cache.index_copy_(1, idx, data[:, layer].transpose(0, 1))
 

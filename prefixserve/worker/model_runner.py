@@ -24,9 +24,11 @@ from prefixserve.model.huge_pages import zeros_on_huge_pages
 from prefixserve.model.kv_layout import kv_cache_bytes_per_block, kv_cache_shape
 from prefixserve.model.loader import LoadedModel
 from prefixserve.model.platform import platform_for
+from prefixserve.worker.batched_sampler import BatchedSampler
 from prefixserve.worker.block_tables import BlockTables
 from prefixserve.worker.encoder_cache import DEFAULT_ENCODER_CACHE_BYTES, EncoderCache
 from prefixserve.worker.multimodal_step import multimodal_inputs
+from prefixserve.worker.device_block_tables import DeviceBlockTables
 from prefixserve.worker.sampler import SampleResult, Sampler, SamplingRow
 
 
@@ -69,7 +71,11 @@ def num_blocks_for_memory(loaded: LoadedModel, block_size: int, kv_cache_memory:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, *, block_size: int, num_blocks: int,
                  vocab_limit: int | None = None, seed: int = 0, kv_layout: str = "auto",
-                 encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES) -> None:
+                 encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES,
+                 max_num_seqs: int | None = None, max_model_len: int | None = None,
+                 enforce_eager: bool = False) -> None:
+        """max_num_seqs, max_model_len: the step limits a decode program sizes its buffers for;
+        enforce_eager: no decode program (on CUDA: no graphs), every step through the modules."""
         self.model = loaded.model
         self.config = loaded.config
         self.block_size = block_size
@@ -87,23 +93,27 @@ class ModelRunner:
         self.kv_caches = [zeros_on_huge_pages(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.config.num_hidden_layers)]
         self.block_tables = BlockTables()
+        # off the CPU the tables live on the device too, updated by the cells each step changes
+        self.device_tables = None if self.device.type == "cpu" else DeviceBlockTables(self.block_tables, self.device)
         # Grammar masks are computed on a worker thread during the forward only where the forward
         # runs on an accelerator. On CPU the masks cost less than handing them to a thread (the
         # GIL and the wake-up), even with a core to spare (docs/structured-output.md).
-        self.sampler = Sampler(vocab_limit, device=self.device,
-                               overlap_masks=self.device.type != "cpu")
+        # On an accelerator the whole batch is sampled in a few tensor ops with one transfer back
+        # (batched_sampler.py); on the CPU the per-row sampler is as fast or faster (scripts/sampler_bench.py).
+        sampler_class = Sampler if self.device.type == "cpu" else BatchedSampler
+        self.sampler = sampler_class(vocab_limit, device=self.device, overlap_masks=self.device.type != "cpu")
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         # Built now, not on the first request: the first request is not slowed by compiles,
         # and which kernels are active (and why not) is known from the start.
         self.kernels = self.platform.load_kernels()
         # decode-only steps as one fixed sequence of kernel calls, where the platform, model and kernels allow
-        self.decode_program = self.platform.decode_program(self.model, self.kv_caches, self.kv_layout)
         # a vision-language model: its image embeddings by content hash; its M-RoPE rotary is the
         # modules' own, which no decode program runs
-        self.encoder_cache: Optional[EncoderCache] = None
-        if getattr(self.model, "visual", None) is not None:
-            self.encoder_cache = EncoderCache(encoder_cache_bytes)
-            self.decode_program = None
+        vision = getattr(self.model, "visual", None) is not None
+        self.encoder_cache: Optional[EncoderCache] = EncoderCache(encoder_cache_bytes) if vision else None
+        max_blocks = None if max_model_len is None else -(-max_model_len // block_size)
+        self.decode_program = None if enforce_eager or vision else self.platform.decode_program(
+            self.model, self.kv_caches, self.kv_layout, max_batch=max_num_seqs, max_blocks=max_blocks)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -155,8 +165,12 @@ class ModelRunner:
         width = int(tables.lengths[rows].max())
         block_tables = tables.array[rows, :width]
         layout = token_layout(query_start_loc, seq_lens)
+        device_tables = None
+        if self.device_tables is not None:
+            self.device_tables.sync()
+            device_tables = self.device_tables.gather(rows, width)
         common = AttentionMetadata.from_host(query_start_loc, seq_lens, block_tables, self.block_size,
-                                             self.device, layout, self.kv_layout)
+                                             self.device, layout, self.kv_layout, device_tables)
         logit_rows = np.repeat(query_start_loc[1:] - 1, samples)
         inputs = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),

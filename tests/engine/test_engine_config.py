@@ -52,5 +52,5 @@ def test_engine_refuses_a_device_this_machine_lacks_or_an_unknown_backend() -> N
     missing = "cuda:7" if torch.cuda.is_available() else "cuda"
     with pytest.raises(ValueError, match=rf"device '{missing}' is not available"):
         LLMEngine(EngineConfig(device=missing))
-    with pytest.raises(ValueError, match=r"attention backend 'flash' is not registered; registered: torch"):
+    with pytest.raises(ValueError, match=r"attention backend 'flash' is not registered; registered: triton; torch"):
         LLMEngine(EngineConfig(attention_backend="flash"))

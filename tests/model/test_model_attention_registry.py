@@ -58,7 +58,8 @@ def test_torch_backend_is_registered_and_chosen_by_name_and_by_auto() -> None:
 
 
 def test_unknown_name_lists_the_registered_backends() -> None:
-    with pytest.raises(ValueError, match=r"'flash' is not registered; registered: torch"):
+    # the CUDA platform's "triton" registers when the platforms load, ranked above "torch"
+    with pytest.raises(ValueError, match=r"'flash' is not registered; registered: triton; torch"):
         select_backend("flash", "cpu", torch.float32)
 
 
@@ -94,6 +95,20 @@ def test_a_backend_module_registers_itself_and_auto_prefers_its_rank(scratch_reg
     assert got == [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
     layers = llm.engine.model_config.num_hidden_layers
     assert fake.CALLS["forward"] == layers * fake.CALLS["build_metadata"] > 0
+
+
+def test_auto_picks_a_backend_only_on_its_auto_devices(scratch_registry) -> None:
+    """A backend that runs on the CPU only as a test of its GPU kernels ("triton") is taken there by name,
+    never by auto, whatever its rank."""
+    source = FAKE_BACKEND.replace("{name}", "gpu_first").replace("rank=10)", "rank=10, auto_devices=('meta',))")
+    source = source.replace('devices=("cpu", "cuda")', 'devices=("cpu", "meta")')
+    (scratch_registry / "gpu_first_backend.py").write_text(source)
+    import_backend_modules(["gpu_first_backend"])
+    import gpu_first_backend as fake
+
+    assert type(select_backend("auto", "cpu", torch.float32)) is TorchPagedAttention
+    assert isinstance(select_backend("auto", "meta", torch.float32), fake.FakeBackend)
+    assert isinstance(select_backend("gpu_first", "cpu", torch.float32), fake.FakeBackend)
 
 
 def test_a_module_that_cannot_be_imported_is_named_in_errors(scratch_registry) -> None:

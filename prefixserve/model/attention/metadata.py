@@ -56,11 +56,12 @@ class AttentionMetadata:
     def from_host(cls, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
                   block_size: int, device: torch.device | str = "cpu",
                   layout: tuple[np.ndarray, np.ndarray] | None = None,
-                  kv_layout: str = ROWS) -> "AttentionMetadata":
+                  kv_layout: str = ROWS, device_block_tables: torch.Tensor | None = None) -> "AttentionMetadata":
         """From int64 host arrays: query_start_loc [S + 1], seq_lens [S], block_tables [S, W] (0-padded).
 
         `layout` is token_layout(query_start_loc, seq_lens) when the caller computed it already.
         The arrays are handed to the tensors without a copy where the device is the CPU.
+        `device_block_tables`: block_tables already on the device (the worker's delta-updated copy).
         """
         seq_of_token, positions = layout if layout is not None else token_layout(query_start_loc, seq_lens)
         slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
@@ -70,7 +71,7 @@ class AttentionMetadata:
             slot_mapping=_to_device(slots, device),
             query_start_loc=_to_device(query_start_loc, device),
             seq_lens=_to_device(seq_lens, device),
-            block_tables=_to_device(block_tables, device),
+            block_tables=device_block_tables if device_block_tables is not None else _to_device(block_tables, device),
             block_size=block_size,
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,

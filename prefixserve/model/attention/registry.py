@@ -3,9 +3,10 @@
 A backend module registers its class with `@register_backend(name, devices=...,
 dtypes=..., rank=...)`; the attention package imports every module named in its
 `BACKEND_MODULES` list, so registration happens on first import of the package.
-Adding a backend (a CUDA flash-attention one, a Triton one) takes a new module
-holding the class and its registration, plus its line in that list; no model,
-runner or engine code changes.
+Adding a backend takes a new module holding the class and its registration, plus
+its line in that list; a platform's backend (platforms/cuda's "triton") registers
+when the platforms load, which `select_backend` asks for first. No model, runner
+or engine code changes.
 
 `select_backend(name, device, dtype)` returns a fresh instance of the named
 backend, or for "auto" of the highest-ranked one that supports the device and
@@ -21,6 +22,7 @@ from typing import Callable, Iterable
 import torch
 
 from prefixserve.model.attention.backend import AttentionBackend
+from prefixserve.model.platform import load_platforms
 
 AUTO = "auto"
 
@@ -32,6 +34,8 @@ class BackendSpec:
     devices: frozenset[str]        # device types, as torch.device(...).type spells them
     dtypes: frozenset[torch.dtype]
     rank: int                      # "auto" prefers the highest rank among the backends that fit
+    # device types where "auto" may pick it (None: all of `devices`); others must ask for it by name
+    auto_devices: frozenset[str] | None = None
 
     def unsupported(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why this backend cannot serve `device` / `dtype`, or None if it can."""
@@ -49,9 +53,12 @@ BACKENDS: dict[str, BackendSpec] = {}
 FAILED_MODULES: dict[str, str] = {}
 
 
-def register_backend(name: str, *, devices: Iterable[str], dtypes: Iterable[torch.dtype], rank: int = 0):
+def register_backend(name: str, *, devices: Iterable[str], dtypes: Iterable[torch.dtype], rank: int = 0,
+                     auto_devices: Iterable[str] | None = None):
     """Class decorator: makes an AttentionBackend selectable as `name`. The class is built as
-    `cls(device=...)`, the model's device, so it can take that device's platform kernels."""
+    `cls(device=...)`, the model's device, so it can take that device's platform kernels.
+    `auto_devices`: where "auto" may pick it (a backend that runs on the CPU only as a test of GPU kernels
+    names just its GPU); by default every device it runs on."""
     if not name or name == AUTO:
         raise ValueError(f"a backend cannot be named {name!r}")
 
@@ -61,7 +68,8 @@ def register_backend(name: str, *, devices: Iterable[str], dtypes: Iterable[torc
         if name in BACKENDS and BACKENDS[name].factory is not cls:
             raise ValueError(f"attention backend {name!r} is registered twice")
         cls.name = name
-        BACKENDS[name] = BackendSpec(name, cls, frozenset(devices), frozenset(dtypes), rank)
+        BACKENDS[name] = BackendSpec(name, cls, frozenset(devices), frozenset(dtypes), rank,
+                                     None if auto_devices is None else frozenset(auto_devices))
         return cls
 
     return register
@@ -79,8 +87,11 @@ def import_backend_modules(modules: Iterable[str]) -> None:
 def select_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> AttentionBackend:
     """A new instance of backend `name` ("auto": the best-ranked one that fits device and dtype)."""
     device = torch.device(device)
+    # a platform's backends register when the platforms load (model/platform.py)
+    load_platforms()
     if name == AUTO:
-        fitting = [spec for spec in BACKENDS.values() if spec.unsupported(device, dtype) is None]
+        fitting = [spec for spec in BACKENDS.values() if spec.unsupported(device, dtype) is None
+                   and (spec.auto_devices is None or device.type in spec.auto_devices)]
         if not fitting:
             raise ValueError(f"no attention backend supports device {str(device)!r} with dtype "
                              f"{str(dtype).removeprefix('torch.')}: {_listing(device, dtype)}")

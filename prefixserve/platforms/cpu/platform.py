@@ -111,7 +111,8 @@ class CpuPlatform(Platform):
             return PANELS if fits else ROWS
         return Platform.choose_kv_layout(self, requested, model, dtype, block_size)
 
-    def decode_program(self, model, kv_caches: list[torch.Tensor], layout: str) -> DecodeProgram | None:
+    def decode_program(self, model, kv_caches: list[torch.Tensor], layout: str, *,
+                       max_batch: int | None = None, max_blocks: int | None = None) -> DecodeProgram | None:
         return DecodeProgram.build(model, kv_caches, layout)
 
     def paged_attention_kernels(self) -> CpuPagedKernels:
