@@ -158,3 +158,25 @@ def test_the_diagnosis_names_a_changed_picture(http: httpx.Client) -> None:
     # the divergence is the picture's first token: everything before it was shared
     assert diagnosis["shared_tokens"] == diagnosis["divergence_position"]
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == diagnosis["divergence_position"] // 16 * 16
+
+
+def test_responses_input_image_renders_as_chat_and_its_continuation_hits(http: httpx.Client) -> None:
+    """/v1/responses takes input_image parts: the prompt is the chat route's for the same content
+    (the oracle: chat completions' prompt_tokens), and a continuation by previous_response_id hits
+    the cache past the picture."""
+    image = picture(7)
+    url = data_url(encoded(image))
+    as_chat = chat(http, [image_part(url)])
+    first = http.post("/v1/responses", json={
+        "model": MODEL, "max_output_tokens": 3, "temperature": 0,
+        "input": [{"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                               {"type": "input_text", "text": "What is it?"}]}]})
+    assert first.status_code == 200, first.text
+    assert first.json()["usage"]["input_tokens"] == as_chat.json()["usage"]["prompt_tokens"]
+    second = http.post("/v1/responses", json={
+        "model": MODEL, "max_output_tokens": 3, "temperature": 0, "previous_response_id": first.json()["id"],
+        "input": "And its colour?"})
+    assert second.status_code == 200, second.text
+    usage = second.json()["usage"]
+    assert usage["input_tokens_details"]["cached_tokens"] >= image_tokens(image)
+    assert usage["input_tokens_details"]["cached_tokens"] >= (first.json()["usage"]["input_tokens"] // 16 - 1) * 16

@@ -18,9 +18,11 @@ from typing import Any, Optional, Union
 from prefixserve.entrypoints.server.errors import bad_request
 from prefixserve.entrypoints.server.prompt_cache_fields import PromptCacheFields
 from prefixserve.prompt import Conversation, Part, Tool, Turn
+from prefixserve.prompt.conversation import IMAGE_PLACEHOLDER, ImageSource
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text")
+IMAGE_PART = "input_image"
 
 
 def item_id(prefix: str) -> str:
@@ -77,9 +79,12 @@ def _parts(content: Any, where: str) -> list[dict[str, Any]]:
     parts = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
+        if isinstance(part, dict) and part.get("type") == IMAGE_PART:
+            parts.append(_image(part, at))
+            continue
         if not isinstance(part, dict) or not isinstance(part.get("type"), str) or part["type"] not in TEXT_PARTS:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise bad_request(f"{at}: only input_text and output_text parts are supported, got "
+            raise bad_request(f"{at}: only input_text, output_text and input_image parts are supported, got "
                               f"{str(kind)[:40]!r}", param=f"{at}.type", code="unsupported")
         text = _string(part, "text", at, allow_empty=True)
         PromptCacheFields().mark(part.get("prompt_cache_breakpoint"), at)   # refused here, naming the part
@@ -92,12 +97,40 @@ def _parts(content: Any, where: str) -> list[dict[str, Any]]:
     return parts
 
 
+def _image(part: dict[str, Any], at: str) -> dict[str, Any]:
+    """An input_image part by URL (a data: URL; http(s) and files as the server's media flags allow,
+    checked when the picture is loaded); a file_id names nothing stored here."""
+    if part.get("file_id") is not None:
+        raise bad_request(f"{at}.file_id: this server stores no files; send the picture as image_url",
+                          param=f"{at}.file_id", code="unsupported")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise bad_request(f"{at}.image_url must be a non-empty string (a data: URL)", param=f"{at}.image_url")
+    detail = part.get("detail", "auto")
+    if detail not in ("auto", "low", "high"):
+        raise bad_request(f"{at}.detail must be auto, low or high", param=f"{at}.detail")
+    kept = {"type": IMAGE_PART, "image_url": url, "detail": detail}
+    PromptCacheFields().mark(part.get("prompt_cache_breakpoint"), at)
+    if part.get("prompt_cache_breakpoint") is not None:
+        kept["prompt_cache_breakpoint"] = part["prompt_cache_breakpoint"]
+    return kept
+
+
+def _text_only(parts: list[dict[str, Any]], where: str, what: str) -> None:
+    for j, part in enumerate(parts):
+        if part["type"] == IMAGE_PART:
+            raise bad_request(f"{where}[{j}]: {what} holds text only; pictures go in user messages",
+                              param=f"{where}[{j}].type", code="unsupported")
+
+
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     role = item.get("role")
     if not isinstance(role, str) or role not in ROLES:
         raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}, got {str(role)[:40]!r}",
                           param=f"{where}.role")
     parts = _parts(item.get("content"), f"{where}.content")
+    if role != "user":
+        _text_only(parts, f"{where}.content", f"a {role} message")
     if role == "assistant":
         parts = [{**p, "type": "output_text", "annotations": []} for p in parts]
     return {"id": _given_id(item, where, "msg"), "type": "message", "role": role, "content": parts,
@@ -133,6 +166,7 @@ def _function_call_output(item: dict[str, Any], where: str) -> dict[str, Any]:
         if parts is None:
             raise bad_request(f"{where}.output must be a string or a list of text parts",
                               param=f"{where}.output")
+        _text_only(parts, f"{where}.output", "a function call's output")
         output = "\n".join(p["text"] for p in parts)
     return {"id": _given_id(item, where, "fco"), "type": "function_call_output",
             "call_id": _string(item, "call_id", where), "output": output, "status": "completed"}
@@ -146,8 +180,7 @@ def conversation_of(instructions: Optional[str], items: list[dict[str, Any]],
         turns.append(Turn({"role": "system"}, [Part(instructions, None, "instructions")]))
     for item in items:
         if item["type"] == "message":
-            parts = [Part(p["text"], cache.mark(p.get("prompt_cache_breakpoint"), "input"), "input")
-                     for p in item["content"]]
+            parts = [_part(p, cache) for p in item["content"]]
             turns.append(Turn({"role": ROLES[item["role"]]}, parts))
         elif item["type"] == "function_call":
             call = {"id": item["call_id"], "type": "function",
@@ -161,6 +194,15 @@ def conversation_of(instructions: Optional[str], items: list[dict[str, Any]],
             turns.append(Turn({"role": "tool", "tool_call_id": item["call_id"]},
                               [Part(item["output"], None, "input")]))
     return Conversation(turns, [Tool(t, None, f"tools[{i}]") for i, t in enumerate(tools)])
+
+
+def _part(part: dict[str, Any], cache: PromptCacheFields) -> Part:
+    mark = cache.mark(part.get("prompt_cache_breakpoint"), "input")
+    if part["type"] == IMAGE_PART:
+        # the picture is fetched, decoded and hashed when the prompt is prepared (media.py); a
+        # stored turn's picture is loaded again on each continuation, and hits by its content hash
+        return Part(IMAGE_PLACEHOLDER, mark, "input", ImageSource("input.image_url", "input", url=part["image_url"]))
+    return Part(part["text"], mark, "input")
 
 
 def chat_tools_of(tools: Optional[list[dict[str, Any]]]) -> list[dict[str, Any]]:
