@@ -74,14 +74,18 @@ class EngineClient(Protocol):
     # ------------------------------------------------------------- requests
     async def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
                           cache_salt: Optional[str] = None, priority: int = 0,
-                          cache_pins: Sequence[CachePin] = ()) -> AsyncIterator[RequestOutput]:
+                          cache_pins: Sequence[CachePin] = (), tenant: Optional[str] = None
+                          ) -> AsyncIterator[RequestOutput]:
         """Queues a request; returns its stream of (cumulative) outputs once the engine accepted
-        it. cache_pins: prefixes to pin once the prompt is computed. Raises QueueFullError,
+        it. cache_pins: prefixes to pin once the prompt is computed. tenant: whose request it is
+        (a name the engine's tenant_weights may weigh; None: the anonymous tenant), for
+        admission shares, fair scheduling and cache floors. Raises QueueFullError,
         InvalidRequestError (nothing queued) or EngineDeadError."""
 
     def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
                  cache_salt: Optional[str] = None, priority: int = 0,
-                 cache_pins: Sequence[CachePin] = ()) -> AsyncIterator[RequestOutput]:
+                 cache_pins: Sequence[CachePin] = (), tenant: Optional[str] = None
+                 ) -> AsyncIterator[RequestOutput]:
         """add_request + iterate; the request is aborted if the iteration stops early."""
 
     def abort(self, request_id: str) -> None:

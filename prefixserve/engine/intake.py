@@ -75,8 +75,8 @@ class Intake:
 
     def request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
                 cache_salt: Optional[str], priority: int, arrival_time: Optional[float],
-                cache_pins: Sequence[CachePin], grammar: Optional[Constraint]
-                ) -> tuple[Optional[str], Request, Optional[Constraint]]:
+                cache_pins: Sequence[CachePin], grammar: Optional[Constraint],
+                tenant: Optional[str] = None) -> tuple[Optional[str], Request, Optional[Constraint]]:
         """(prompt text, the scheduler's request, its compiled grammar) for LLMEngine.add_request;
         raises InvalidRequestError (or ValueError for a grammar without structured output)."""
         if grammar is not None and params.structured is None:
@@ -97,6 +97,7 @@ class Intake:
             eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
             cache_salt=salt,
             priority=priority,
+            tenant=tenant,
             arrival_time=arrival_time if arrival_time is not None else self.clock(),
         )
         for pin in cache_pins:

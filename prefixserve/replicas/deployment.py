@@ -59,11 +59,11 @@ class EngineReplica:
 
     async def generate(self, request_id: str, token_ids: Sequence[int], params: SamplingParams, *,
                        cache_salt: Optional[str] = None, priority: int = 0,
-                       cache_pins: Sequence[CachePin] = ()) -> AsyncIterator:
+                       cache_pins: Sequence[CachePin] = (), tenant: Optional[str] = None) -> AsyncIterator:
         self._ensure_publisher()
         stream = await self.llm.add_request(request_id, {"prompt_token_ids": list(token_ids)},
                                             params, cache_salt=cache_salt, priority=priority,
-                                            cache_pins=cache_pins)
+                                            cache_pins=cache_pins, tenant=tenant)
         try:
             yield (ACCEPTED, self.replica_id)
             async for output in stream:

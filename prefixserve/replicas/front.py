@@ -154,7 +154,7 @@ class ReplicatedLLM:
     # ------------------------------------------------------------- requests
     async def add_request(self, request_id: str, prompt, params: SamplingParams, *,
                           cache_salt: Optional[str] = None, priority: int = 0,
-                          cache_pins: Sequence[CachePin] = ()) -> ReplicaStream:
+                          cache_pins: Sequence[CachePin] = (), tenant: Optional[str] = None) -> ReplicaStream:
         if any(pin.content is not None for pin in cache_pins):
             # Its get, use and delete would be refused here: it must not be created (and pinned)
             # on whichever replica the router picks.
@@ -166,7 +166,7 @@ class ReplicatedLLM:
         for attempt in (0, 1):
             response = self._gen.remote(request_id=request_id, token_ids=token_ids, params=params,
                                         cache_salt=cache_salt, priority=priority,
-                                        cache_pins=tuple(cache_pins))
+                                        cache_pins=tuple(cache_pins), tenant=tenant)
             try:
                 marker = await response.__anext__()
             except Exception as exc:
@@ -189,10 +189,11 @@ class ReplicatedLLM:
 
     async def generate(self, request_id: str, prompt, params: SamplingParams, *,
                        cache_salt: Optional[str] = None, priority: int = 0,
-                       cache_pins: Sequence[CachePin] = ()) -> AsyncIterator[RequestOutput]:
+                       cache_pins: Sequence[CachePin] = (), tenant: Optional[str] = None
+                       ) -> AsyncIterator[RequestOutput]:
         """add_request + iterate; the request is aborted if the iteration stops early."""
         stream = await self.add_request(request_id, prompt, params, cache_salt=cache_salt,
-                                        priority=priority, cache_pins=cache_pins)
+                                        priority=priority, cache_pins=cache_pins, tenant=tenant)
         async with contextlib.aclosing(until_finished(stream, lambda: self.abort(request_id))) as outputs:
             async for output in outputs:
                 yield output

@@ -48,16 +48,19 @@ class LiveDiagnosis:
     ask: Optional[DiagnoseAsk]
     cache_salt: Optional[str]
     spans: Optional[list[Span]] = None
+    # whose request it is: the explainer's memory is shared out per tenant
+    tenant: Optional[str] = None
 
     def finish(self, request_id: str, output: RequestOutput) -> Optional[dict[str, Any]]:
         """Remembers a finished request; returns its diagnosis when it was asked for."""
         if self.ask is None:
-            self.explainer.remember(request_id, output.prompt_token_ids, cache_salt=self.cache_salt)
+            self.explainer.remember(request_id, output.prompt_token_ids, cache_salt=self.cache_salt,
+                                    tenant=self.tenant)
             return None
         return self.explainer.explain(
             request_id, output.prompt_token_ids, cache_salt=self.cache_salt,
             num_cached_tokens=output.num_cached_tokens, spans=self.spans,
-            diagnose_against=self.ask.against).to_dict()
+            diagnose_against=self.ask.against, tenant=self.tenant).to_dict()
 
 
 def with_diagnosis(report: Optional[dict[str, Any]], diagnosis: Any) -> Optional[dict[str, Any]]:

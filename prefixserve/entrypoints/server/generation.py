@@ -133,20 +133,25 @@ class Generation:
 async def submit(async_llm: AsyncLLM, config: ServerConfig, metrics: ServerMetrics, base_id: str,
                  prompts: list[list[int]], params: SamplingParams, *, cache_salt: Optional[str],
                  priority: int, param: str, cache_pins: Sequence[CachePin] = (),
-                 renames: Optional[dict[str, str]] = None) -> Generation:
-    """Adds every prompt; if any is refused, aborts the ones already added and raises APIError."""
+                 renames: Optional[dict[str, str]] = None, tenant: Optional[str] = None) -> Generation:
+    """Adds every prompt (for tenant, the caller's: its share of the queue, the steps and the
+    cache); if any is refused, aborts the ones already added and raises APIError (a 429 is
+    counted against tenant)."""
     ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
     streams: list[RequestStream] = []
     try:
         for rid, prompt in zip(ids, prompts):
             streams.append(await async_llm.add_request(
                 rid, {"prompt_token_ids": prompt}, params, cache_salt=cache_salt, priority=priority,
-                cache_pins=cache_pins))
+                cache_pins=cache_pins, tenant=tenant))
     except BaseException as exc:
         for rid in ids[:len(streams)]:
             async_llm.abort(rid)
         if isinstance(exc, Exception):
-            raise api_error(exc, param=param, retry_after_s=config.retry_after_s,
-                            renames={"prompt": param, **(renames or {})}) from exc
+            error = api_error(exc, param=param, retry_after_s=config.retry_after_s,
+                              renames={"prompt": param, **(renames or {})})
+            if error.status == 429:
+                metrics.refused(tenant)
+            raise error from exc
         raise
     return Generation(async_llm, ids, streams, [metrics.recorder() for _ in ids], config, param, params.n)
