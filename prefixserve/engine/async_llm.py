@@ -124,7 +124,8 @@ class AsyncLLM:
         self._commands: deque[_Command] = deque()
         self._pending_seats = 0
         self._pending_by_tenant: dict[str, int] = {}
-        self._weights = dict(engine.config.tenant_weights)
+        # Each weighted tenant's share of max_waiting; fair scheduling off: one queue for all.
+        self._weights = dict(engine.config.tenant_weights) if engine.config.fair_scheduling else {}
         self._streams: dict[str, RequestStream] = {}
         # Requests the engine holds that this front added; only the engine thread touches it.
         self._in_engine: set[str] = set()

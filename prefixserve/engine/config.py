@@ -57,8 +57,9 @@ class EngineConfig:
     # max_waiting, of each step and of the running slots, and of the KV pool's cached blocks.
     # A tenant not named weighs 1 and has no share of its own (docs/tenants.md).
     tenant_weights: tuple = ()
-    # Share steps across tenants by weighted served-token counters (off: one queue, as fcfs or
-    # priority says); keep each named tenant's cached blocks above its floor.
+    # Share max_waiting and each step across tenants by weight and weighted served-token counters
+    # (off: one queue for all, ordered as fcfs or priority says); keep each named tenant's cached
+    # blocks above its floor.
     fair_scheduling: bool = True
     tenant_cache_shares: bool = True
     # Share of the KV pool that explicit pins may hold, so pins cannot starve live requests.

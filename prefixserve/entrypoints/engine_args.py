@@ -71,8 +71,9 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str, positio
     g.add_argument("--scheduling-policy", default=_DEFAULTS.scheduling_policy, choices=SCHEDULING_POLICIES,
                    help="which waiting request runs next")
     g.add_argument("--fair-scheduling", action=argparse.BooleanOptionalAction, default=_DEFAULTS.fair_scheduling,
-                   help="share each step and the running slots across the tenants with work by their weighted "
-                        "served tokens (docs/tenants.md); off: one queue for all (default: on)")
+                   help="share the waiting queue by tenant weight, and each step and the running slots across the "
+                        "tenants with work by their weighted served tokens (docs/tenants.md); off: one queue for "
+                        "all (default: on)")
     g.add_argument("--tenant-cache-shares", action=argparse.BooleanOptionalAction,
                    default=_DEFAULTS.tenant_cache_shares,
                    help="keep each tenant's cached blocks above its weighted share of the pool against other "

@@ -79,7 +79,7 @@ class Scheduler:
         self.check_fits(req.num_prompt_tokens, req.max_tokens)
         if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
-        if self.config.max_waiting is not None:
+        if self.config.max_waiting is not None and self.config.fair_scheduling:
             share = tenant_share(self.config.max_waiting, self.tenants.weights, req.tenant)
             if share is not None and sum(r.tenant == req.tenant for r in self.waiting) >= share:
                 raise QueueFullError(f"tenant {req.tenant!r} has its share of the waiting queue "
@@ -178,9 +178,11 @@ class Scheduler:
         counter first, up to its weighted slice of the budget (at least one token), so every
         tenant able to run gets tokens in every step; pass two hands what is left to whoever can
         use it, lowest counter first (work-conserving). A tenant's running requests go before
-        its waiting ones, each list in importance order; a waiting request its tenant cannot
-        place (no slot within its share, no memory) stops that tenant's admissions, not the
-        others', and after a preemption nobody is admitted, as in the one-tenant step."""
+        its waiting ones, each list in importance order. A waiting request short of memory
+        preempts work of a tenant holding more of the pool per weight than its own (_preempt_for);
+        one it still cannot place (no slot within its share, no memory) stops its tenant's
+        admissions, not the others'; after a preemption only the tenant that made room for
+        itself is admitted, as the one-tenant step admits nobody."""
         ledger = self.tenants
         if len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=self._importance))
@@ -196,10 +198,15 @@ class Scheduler:
         total_weight = sum(ledger.weight(t) for t in tenants)
         step_budget = budget
         admitting = set(waiting)
+        made_room: set[Optional[str]] = set()   # tenants that preempted others' work to be admitted
 
-        def head(t: Optional[str]) -> tuple[int, float, int]:
+        holding = self._holding()
+
+        def order(t: Optional[str]) -> tuple[float, float, tuple[int, float, int]]:
+            # lowest counter first; on a tie (a tenant just lifted to the others' minimum) the
+            # one holding less, then the more important head
             queue = running.get(t) or waiting[t]
-            return self._importance(queue[0])
+            return ledger.counter(t), holding.get(t, 0.0), self._importance(queue[0])
 
         def serve(t: Optional[str], quota: Optional[int]) -> None:
             nonlocal budget
@@ -214,11 +221,14 @@ class Scheduler:
                     budget -= num_new
                     left -= num_new
             queue = waiting.get(t, deque())
-            while queue and left > 0 and t in admitting and not out.preempted_ids:
+            while queue and left > 0 and t in admitting and (not out.preempted_ids or t in made_room):
                 req = queue[0]
                 granted = None
                 if self._slot_within_share(req, waiting, admitting, total_weight):
                     granted = self._admit_one(req, left, out, scheduled)
+                    while granted is None and self._preempt_for(req, scheduled, out):
+                        made_room.add(t)
+                        granted = self._admit_one(req, left, out, scheduled)
                 if granted is None:
                     admitting.discard(t)
                     break
@@ -226,7 +236,7 @@ class Scheduler:
                 budget -= granted
                 left -= granted
 
-        for t in sorted(tenants, key=lambda t: (ledger.counter(t), head(t))):
+        for t in sorted(tenants, key=order):
             if budget == 0:
                 return
             serve(t, max(1, int(step_budget * ledger.weight(t) / total_weight)))
@@ -234,6 +244,29 @@ class Scheduler:
             if budget == 0:
                 return
             serve(t, None)
+
+    def _holding(self) -> dict[Optional[str], float]:
+        """Computed tokens each tenant's running requests hold, per unit of its weight: how far
+        over its share of the pool it is, in comparison with the others."""
+        held: dict[Optional[str], float] = {}
+        for r in self.running:
+            held[r.tenant] = held.get(r.tenant, 0.0) + r.num_computed_tokens / self.tenants.weight(r.tenant)
+        return held
+
+    def _preempt_for(self, req: Request, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """Memory for a waiting request whose tenant holds less of the pool (per weight) than
+        another: preempts the least important request, not yet scheduled in this step, of the
+        tenant holding the most. Whether one was preempted (False: none holds more)."""
+        held = self._holding()
+        mine = held.get(req.tenant, 0.0)
+        candidates = [r for r in self.running
+                      if r.request_id not in scheduled and r.tenant != req.tenant and held[r.tenant] > mine]
+        if not candidates:
+            return False
+        most = max(held[r.tenant] for r in candidates)
+        victim = max((r for r in candidates if held[r.tenant] == most), key=self._importance)
+        self._preempt(victim, out)
+        return True
 
     def _slot_within_share(self, req: Request, waiting: dict[Optional[str], deque[Request]],
                            admitting: set[Optional[str]], total_weight: float) -> bool:
@@ -363,9 +396,7 @@ class Scheduler:
         # The request being placed is always a candidate, so this is never empty.
         if self._fair_step():
             # From the tenant most over its share: the most computed tokens held per weight.
-            held: dict[Optional[str], float] = {}
-            for r in self.running:
-                held[r.tenant] = held.get(r.tenant, 0.0) + r.num_computed_tokens / self.tenants.weight(r.tenant)
+            held = self._holding()
             most = max(held[r.tenant] for r in candidates)
             candidates = [r for r in candidates if held[r.tenant] == most]
         return max(candidates, key=self._importance)

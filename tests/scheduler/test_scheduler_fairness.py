@@ -253,3 +253,43 @@ def test_many_tenants_with_fairness_keep_the_kv_cache_consistent():
             break
     assert not sched.has_unfinished()
     assert sched.kv.stats().num_used_blocks == 0
+
+
+def test_a_quiet_request_is_admitted_in_the_first_step_after_it_arrives_under_a_flood():
+    """flood keeps a full pool busy with long distinct prompts (many running, more waiting);
+    quiet's request, its system prompt cached, is planned in the very next step: fair scheduling
+    serves it first (lifted to flood's counter, holding less), and the pool memory it needs is
+    taken back from flood, which holds far more than its share. Without fairness it waits for
+    flood's requests ahead of it."""
+    for fair, admitted_at_once in ((True, True), (False, False)):
+        sched = make(256, max_seqs=64, num_blocks=120, block_size=4,
+                     weights={"quiet": 1.0, "flood": 1.0}, fair=fair)
+        worker = SimWorker(4, {})
+        system = list(range(100, 160))
+        sched.add_request(request("q0", system + [1, 2], 2, tenant="quiet", arrival=0.0))
+        for _ in range(4):
+            plan = sched.schedule()
+            sched.update_from_output(plan, worker.run(sched, plan))
+        assert not sched.has_unfinished()
+        for i in range(30):
+            sched.add_request(request(f"f{i}", [1000 + 97 * i + j for j in range(40)], 100, tenant="flood",
+                                      arrival=1.0 + i))
+
+        def pool_held_by_flood() -> bool:
+            # nothing free, nothing of flood's cached and free: all but quiet's 15 blocks in use
+            stats = sched.kv.stats()
+            return stats.num_free_blocks == 0 and stats.num_cached_free_blocks == 15
+
+        for _ in range(20):
+            if pool_held_by_flood():
+                break
+            plan = sched.schedule()
+            sched.update_from_output(plan, worker.run(sched, plan))
+        assert sched.num_waiting > 0 and pool_held_by_flood()
+        sched.add_request(request("q1", system + [3, 4], 2, tenant="quiet", arrival=100.0))
+        plan = sched.schedule()
+        assert ("q1" in granted(plan)) == admitted_at_once
+        if admitted_at_once:
+            assert sched.requests["q1"].num_cached_tokens == 60    # its system prompt was kept
+        sched.update_from_output(plan, worker.run(sched, plan))
+        sched.kv.check_integrity()
