@@ -48,9 +48,9 @@ class FloodConfig:
     threads: int = 2
     num_kv_blocks: int = 256
     max_waiting: int = 24
-    quiet_rate: float = 2.0          # requests/s; the flood sends flood_ratio times as many
+    quiet_rate: float = 4.0          # requests/s; the flood sends flood_ratio times as many
     flood_ratio: float = 10.0
-    duration_s: float = 10.0
+    duration_s: float = 8.0
     quiet_system_tokens: int = 900
     flood_prompt_tokens: int = 650
     question_tokens: int = 16
@@ -208,6 +208,51 @@ def _serve_args(cfg: FloodConfig, keys_path: Path, features: str) -> list[str]:
             "--log-level", "warning", *FEATURES[features]]
 
 
+def engine_steps_run(cfg: FloodConfig, features: str, steps: int = 300, quiet_every: int = 10) -> dict:
+    """The same two tenants on an engine driven step by step, no server: what the scheduler and
+    the cache do, free of the HTTP front and of the neighbours' load. Quiet arrives every
+    `quiet_every` steps, flood every step (ten times the rate, its queue unbounded); counted in
+    steps: from a quiet request's arrival to the step that gives its first token."""
+    from prefixserve import EngineConfig, LLMEngine, SamplingParams
+
+    fair, shares = FEATURES[features][0] == "--fair-scheduling", FEATURES[features][1] == "--tenant-cache-shares"
+    engine = LLMEngine(EngineConfig(model=cfg.model, seed=cfg.seed, num_kv_blocks=cfg.num_kv_blocks,
+                                    tenant_weights={t if isinstance(t, str) else t["tenant"]: 1.0
+                                                    for t in KEYS.values()},
+                                    fair_scheduling=fair, tenant_cache_shares=shares))
+    rng = random.Random(cfg.seed)
+    system = _tokens(rng, cfg.quiet_system_tokens)
+    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True)
+    arrived: dict[str, int] = {}
+    waited: list[int] = []
+    waited_ids: set[str] = set()
+    hits: list[float] = []
+    flood_tokens = 0
+    step = 0
+    engine.add_request("warm", {"prompt_token_ids": system + _tokens(rng, cfg.question_tokens)}, params,
+                       tenant="quiet")
+    while engine.has_unfinished_requests():
+        engine.step()
+    while step < steps or engine.has_unfinished_requests():
+        if step < steps:
+            engine.add_request(f"f{step}", {"prompt_token_ids": _tokens(rng, cfg.flood_prompt_tokens)}, params,
+                               tenant="flood")
+            if step % quiet_every == 0:
+                engine.add_request(f"q{step}", {"prompt_token_ids": system + _tokens(rng, cfg.question_tokens)},
+                                   params, tenant="quiet")
+                arrived[f"q{step}"] = step
+        for out in engine.step():
+            if out.request_id in arrived and out.outputs[0].token_ids and out.request_id not in waited_ids:
+                waited_ids.add(out.request_id)
+                waited.append(step - arrived[out.request_id] + 1)
+                hits.append(out.num_cached_tokens / len(out.prompt_token_ids))
+            if out.finished and out.request_id.startswith("f"):
+                flood_tokens += len(out.prompt_token_ids) + len(out.outputs[0].token_ids)
+        step += 1
+    return {"run": features, "quiet_steps_p50": statistics.median(waited), "quiet_steps_max": max(waited),
+            "quiet_hit_rate": statistics.fmean(hits), "steps": step, "flood_tokens": flood_tokens}
+
+
 FLOOD_RUNS = (("quiet solo", "on", False), ("flood, fairness off", "off", True),
               ("flood, fair scheduling only", "fair", True), ("flood, cache shares only", "shares", True),
               ("flood, fair + shares", "on", True))
@@ -241,7 +286,12 @@ def run_tenants_flood(cfg: FloodConfig, log=print) -> tuple[str, dict]:
                                            "errors": s["refused"] + s["other_errors"]})
     rows = [_median_of(runs) for runs in flood_runs.values()]
     singles = [_median_of(runs) for runs in single_runs.values()]
-    data = {"workload": WORKLOAD, "cpu": cpu_name(), "config": cfg.__dict__, "flood": rows, "single": singles}
+    steps = []
+    for features in ("off", "fair", "shares", "on"):
+        log(f"{WORKLOAD}: engine steps, {features}")
+        steps.append(engine_steps_run(cfg, features))
+    data = {"workload": WORKLOAD, "cpu": cpu_name(), "config": cfg.__dict__, "flood": rows, "single": singles,
+            "engine_steps": steps}
     return to_markdown(data), data
 
 
@@ -280,6 +330,14 @@ def to_markdown(data: dict) -> str:
     for s in data["single"]:
         lines.append(f"| {s['run']} | {s['req_per_s']:.2f} | {s['tok_per_s']:.0f} | {s['cpu_ms_per_req']:.1f} | "
                      f"{s['hit_rate']:.3f} | {s['errors']:.0f} |")
+    lines += ["", "The same two tenants on the engine driven step by step (no server; flood every step, quiet "
+                  "every 10th, flood's queue unbounded): steps from a quiet request's arrival to its first token "
+                  "(1: the step right after it arrived).", "",
+              "| features | quiet steps to first token p50 / max | quiet hit rate | steps to drain | "
+              "flood tokens served |", "|---|---|---|---|---|"]
+    for r in data.get("engine_steps", ()):
+        lines.append(f"| {r['run']} | {r['quiet_steps_p50']:g} / {r['quiet_steps_max']} | {r['quiet_hit_rate']:.3f} | "
+                     f"{r['steps']} | {r['flood_tokens']} |")
     return "\n".join(lines)
 
 
