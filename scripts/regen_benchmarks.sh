@@ -11,6 +11,7 @@ mkdir -p "$OUT"
 start=$(date +%s)
 "$PY" -m prefixserve.entrypoints.cli bench --model random:qwen3-0.6b --dtype float32 --dtype bfloat16 --threads 2 \
     --json "$OUT/results.json" --plot "$OUT" --markdown "$OUT/report.md" "$@"
+"$PY" -m prefixserve.benchmarks.tenants_flood --repeats 3 --markdown "$OUT/tenants-flood.md"
 minutes=$(( ($(date +%s) - start + 59) / 60 ))
 {
   echo "# Benchmarks"
@@ -29,6 +30,12 @@ minutes=$(( ($(date +%s) - start + 59) / 60 ))
     echo "![prompt tokens computed, $dtype](benchmarks/$dtype/computed_tokens.png)"
     echo
   done
+  echo
+  echo "## Tenants under a flood (\`tenants-flood\`)"
+  echo
+  echo "\`prefixserve bench --workload tenants-flood\` (prefixserve/benchmarks/tenants_flood.py; docs/tenants.md)."
+  echo
+  cat "$OUT/tenants-flood.md"
   echo
   cat <<'METHOD'
 ## Method

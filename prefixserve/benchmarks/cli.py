@@ -9,6 +9,7 @@ from rich.console import Console
 from prefixserve.benchmarks.checkpoint import DEFAULT_CACHE_DIR
 from prefixserve.benchmarks.engines import ENGINE_NAMES
 from prefixserve.benchmarks.kv_store_bench import STORE_WORKLOADS
+from prefixserve.benchmarks.tenants_flood import WORKLOAD as TENANTS_FLOOD
 from prefixserve.benchmarks.workloads import WORKLOAD_NAMES
 from prefixserve.engine.config import DTYPES
 
@@ -23,11 +24,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", action="append", choices=[d for d in DTYPES if d != "auto"],
                    help="repeatable: the whole benchmark runs once per dtype, each against the machine's limits "
                         "measured in that dtype (default: float32)")
-    p.add_argument("--workload", action="append", choices=WORKLOAD_NAMES + STORE_WORKLOADS + ("image-qa",),
-                   metavar="NAME",
+    p.add_argument("--workload", action="append",
+                   choices=WORKLOAD_NAMES + STORE_WORKLOADS + ("image-qa", TENANTS_FLOOD), metavar="NAME",
                    help=f"repeatable; default: all of {', '.join(WORKLOAD_NAMES)}; the KV store workloads "
-                        f"{', '.join(STORE_WORKLOADS)} run only when named (prefixserve/benchmarks/kv_store_bench.py); "
-                        f"image-qa runs alone, on a random:qwen2.5-vl-* model (prefixserve/benchmarks/image_qa.py)")
+                        f"{', '.join(STORE_WORKLOADS)} run only when named (prefixserve/benchmarks/kv_store_bench.py), "
+                        f"and so does {TENANTS_FLOOD}, a quiet tenant under another's flood on a real server "
+                        "(prefixserve/benchmarks/tenants_flood.py); image-qa runs alone, on a "
+                        "random:qwen2.5-vl-* model (prefixserve/benchmarks/image_qa.py)")
     p.add_argument("--engine", action="append", choices=ENGINE_NAMES, metavar="NAME",
                    help=f"repeatable; default: all of {', '.join(ENGINE_NAMES)}")
     p.add_argument("--quick", action="store_true", help="small workloads (a few minutes on 2 cores)")
@@ -49,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     if args.workload and "image-qa" in args.workload:
         return _run_image_qa(args)
+    if TENANTS_FLOOD in (args.workload or ()):
+        return _run_tenants_flood(args, console)
     store_workloads = tuple(w for w in args.workload or () if w in STORE_WORKLOADS)
     if store_workloads:
         return _run_store_workloads(args, store_workloads,
@@ -121,6 +126,27 @@ def _run_store_workloads(args: argparse.Namespace, store_workloads: tuple[str, .
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    return 0
+
+
+def _run_tenants_flood(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from prefixserve.benchmarks.tenants_flood import FloodConfig, run_tenants_flood
+    if len(args.workload) > 1 or args.online:
+        raise ValueError(f"run {TENANTS_FLOOD} on its own: it starts its own servers")
+    # seven servers one after another: unless a model is named, the tiny one, not the bench's default
+    model = args.model if args.model != "random:qwen3-0.6b" else FloodConfig.model
+    config = FloodConfig(model=model, threads=args.threads, seed=args.seed,
+                         duration_s=5.0 if args.quick else FloodConfig.duration_s)
+    text, data = run_tenants_flood(config, log=console.print)
+    print(text)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text + "\n")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=1) + "\n")
     return 0
 
 

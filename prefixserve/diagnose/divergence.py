@@ -25,13 +25,15 @@ class _Entry:
     salt: Optional[str]
     keys: list[Hashable]
     payload: object
+    owner: Optional[str] = None
 
 
 class ClosestPrefixIndex:
     """Remembers requests (token ids + salt) and finds the one closest to a new request.
 
-    max_entries bounds memory: beyond it the least recently added or matched request is
-    forgotten (None keeps everything)."""
+    max_entries bounds memory: beyond it the owner (tenant) holding the most requests forgets
+    its least recently added or matched one, so one tenant's flood pushes out its own history,
+    never another's (with one owner: the least recently used request; None keeps everything)."""
 
     def __init__(self, max_entries: Optional[int] = None) -> None:
         if max_entries is not None and (isinstance(max_entries, bool) or not isinstance(
@@ -39,6 +41,8 @@ class ClosestPrefixIndex:
             raise ValueError(f"max_entries must be None or a positive int, got {max_entries!r}")
         self.max_entries = max_entries
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        # owner -> its request ids, least recently added or matched first
+        self._by_owner: dict[Optional[str], OrderedDict[str, None]] = {}
         # chunk-chain key -> ids of the requests containing that chunk prefix, oldest first
         self._by_key: dict[Hashable, dict[str, None]] = {}
 
@@ -58,20 +62,26 @@ class ClosestPrefixIndex:
         return keys
 
     def add(self, request_id: str, token_ids: Sequence[int], salt: Optional[str] = None,
-            payload: object = None) -> None:
-        """Remember a request (replacing an earlier one with the same id)."""
+            payload: object = None, owner: Optional[str] = None) -> None:
+        """Remember a request (replacing an earlier one with the same id), as owner's."""
         self.forget(request_id)
         keys = self._chain(token_ids, salt)
-        self._entries[request_id] = _Entry(request_id, list(token_ids), salt, keys, payload)
+        self._entries[request_id] = _Entry(request_id, list(token_ids), salt, keys, payload, owner)
+        self._by_owner.setdefault(owner, OrderedDict())[request_id] = None
         for key in keys:
             self._by_key.setdefault(key, {})[request_id] = None
         while self.max_entries is not None and len(self._entries) > self.max_entries:
-            self.forget(next(iter(self._entries)))
+            largest = max(self._by_owner.values(), key=len)
+            self.forget(next(iter(largest)))
 
     def forget(self, request_id: str) -> None:
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return
+        mine = self._by_owner[entry.owner]
+        del mine[request_id]
+        if not mine:
+            del self._by_owner[entry.owner]
         for key in entry.keys:
             ids = self._by_key.get(key)
             if ids is not None:
@@ -106,6 +116,7 @@ class ClosestPrefixIndex:
             # closest request shares fewer chunks, so look one level down.
             if best_id is not None and best >= level * _CHUNK:
                 self._entries.move_to_end(best_id)
+                self._by_owner[self._entries[best_id].owner].move_to_end(best_id)
                 return best_id, best
             level -= 1
         return None, 0

@@ -2,8 +2,9 @@
 
 The server calls MissExplainer.explain() once per request, after the engine reported how many
 prompt tokens it reused, and attaches Diagnosis.to_dict() to its response as the `prefixserve`
-extension object. Memory is bounded: only the last `max_requests` requests are remembered
-(least recently added or matched forgotten first).
+extension object. Memory is bounded: only `max_requests` requests are remembered; beyond it
+the tenant remembered for the most gives up its least recently added or matched one, so a
+tenant's flood never erases another tenant's history.
 """
 from __future__ import annotations
 
@@ -61,11 +62,11 @@ class MissExplainer:
                 cache_salt: Optional[str] = None, num_cached_tokens: int = 0,
                 spans: Optional[Sequence[SpanLike]] = None,
                 diagnose_against: Optional[str] = None, remember: bool = True,
-                images: Sequence[ImageSpan] = ()) -> Diagnosis:
+                images: Sequence[ImageSpan] = (), tenant: Optional[str] = None) -> Diagnosis:
         """Diagnoses a request against the remembered request sharing the longest token prefix
-        with it (same salt), or against `diagnose_against` if given; then remembers it. images:
-        where the prompt's images are, so that two prompts differing only in a picture diverge
-        there (their token ids alone are equal)."""
+        with it (same salt), or against `diagnose_against` if given; then remembers it, as
+        tenant's. images: where the prompt's images are, so that two prompts differing only in a
+        picture diverge there (their token ids alone are equal)."""
         if not token_ids:
             raise ValueError(f"request {request_id!r}: token_ids is empty")
         tokens = keyed_tokens(token_ids, images)
@@ -91,19 +92,20 @@ class MissExplainer:
                 diagnosis = self._compare(request_id, tokens, num_cached_tokens, own_spans,
                                           earlier_id)
             if remember:
-                self._index.add(request_id, tokens, cache_salt)
+                self._index.add(request_id, tokens, cache_salt, owner=tenant)
                 self._spans[request_id] = own_spans
                 self._spans = {rid: s for rid, s in self._spans.items() if rid in self._index}
         return diagnosis
 
     def remember(self, request_id: str, token_ids: Sequence[int], *,
-                 cache_salt: Optional[str] = None, images: Sequence[ImageSpan] = ()) -> None:
+                 cache_salt: Optional[str] = None, images: Sequence[ImageSpan] = (),
+                 tenant: Optional[str] = None) -> None:
         """Remembers a request without diagnosing it (what explain(remember=True) stores, minus
         the search and decoding a diagnosis costs)."""
         if not token_ids:
             raise ValueError(f"request {request_id!r}: token_ids is empty")
         with self._lock:
-            self._index.add(request_id, keyed_tokens(token_ids, images), cache_salt)
+            self._index.add(request_id, keyed_tokens(token_ids, images), cache_salt, owner=tenant)
             self._spans.pop(request_id, None)
             self._spans = {rid: s for rid, s in self._spans.items() if rid in self._index}
 

@@ -28,6 +28,7 @@ from prefixserve.engine.outputs import CachePin, EngineInfo, EngineStats, PinInf
 from prefixserve.errors import (DuplicateRequestError, EngineDeadError, EngineStepError, QueueFullError,
                                 RequestAbortedError)
 from prefixserve.sampling_params import SamplingParams
+from prefixserve.scheduler.tenants import tenant_share
 
 if TYPE_CHECKING:
     from prefixserve.kv.events import KVEventBatch
@@ -99,6 +100,7 @@ class _Command:
     run: Callable[[], None]
     fail: Callable[[BaseException], None] = lambda exc: None
     seats: int = 0  # sequences an add brings (n), counted against max_waiting until the engine holds them
+    tenant: Optional[str] = None  # whose seats they are (a tenant's share of max_waiting)
 
 
 class AsyncLLM:
@@ -121,6 +123,9 @@ class AsyncLLM:
         self._cond = threading.Condition()
         self._commands: deque[_Command] = deque()
         self._pending_seats = 0
+        self._pending_by_tenant: dict[str, int] = {}
+        # Each weighted tenant's share of max_waiting; fair scheduling off: one queue for all.
+        self._weights = dict(engine.config.tenant_weights) if engine.config.fair_scheduling else {}
         self._streams: dict[str, RequestStream] = {}
         # Requests the engine holds that this front added; only the engine thread touches it.
         self._in_engine: set[str] = set()
@@ -186,7 +191,8 @@ class AsyncLLM:
                           cache_salt: Optional[str] = None, priority: int = 0,
                           cache_pins: Sequence[CachePin] = (),
                           cache_write_limit: Optional[int] = None,
-                          routing_key: Optional[str] = None) -> RequestStream:
+                          routing_key: Optional[str] = None,
+                          tenant: Optional[str] = None) -> RequestStream:
         """Queues a request; returns its stream once the engine accepted it.
 
         cache_pins: prefixes to pin once the prompt is computed; cache_write_limit: how many
@@ -200,7 +206,7 @@ class AsyncLLM:
         grammar = None
         if params.structured is not None:
             with self._cond:  # refused at once, before any compiling, when it would be anyway
-                self._check_admission_locked(request_id, params)
+                self._check_admission_locked(request_id, params, tenant)
             try:
                 compiling = loop.run_in_executor(self._compiler, self.engine.compile_grammar, params)
             except RuntimeError:  # shut down since the check
@@ -221,7 +227,7 @@ class AsyncLLM:
             try:
                 self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt,
                                         priority=priority, cache_pins=cache_pins, grammar=grammar,
-                                        cache_write_limit=cache_write_limit)
+                                        cache_write_limit=cache_write_limit, tenant=tenant)
             except BaseException as exc:  # handed to the caller, who maps it to an HTTP error
                 with self._cond:
                     self._streams.pop(request_id, None)
@@ -234,10 +240,12 @@ class AsyncLLM:
             _fail_future(accepted, exc)
 
         with self._cond:
-            self._check_admission_locked(request_id, params)
+            self._check_admission_locked(request_id, params, tenant)
             self._pending_seats += params.n
+            if tenant is not None:
+                self._pending_by_tenant[tenant] = self._pending_by_tenant.get(tenant, 0) + params.n
             self._streams[request_id] = stream
-            self._commands.append(_Command(add, fail, seats=params.n))
+            self._commands.append(_Command(add, fail, seats=params.n, tenant=tenant))
             self._cond.notify()
         try:
             await asyncio.wrap_future(accepted)
@@ -247,21 +255,32 @@ class AsyncLLM:
             raise
         return stream
 
-    def _check_admission_locked(self, request_id: str, params: SamplingParams) -> None:
+    def _check_admission_locked(self, request_id: str, params: SamplingParams,
+                                tenant: Optional[str]) -> None:
         self._check_alive_locked()
         if request_id in self._streams:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use",
                                         param="request_id")
-        if self.max_waiting is not None and \
-                self._pending_seats + self._stats.num_seats + params.n > self.max_waiting:
+        if self.max_waiting is None:
+            return
+        if self._pending_seats + self._stats.num_seats + params.n > self.max_waiting:
             raise QueueFullError(f"too many requests in flight (max_waiting={self.max_waiting}); "
                                  "retry later")
+        # A weighted tenant is held to its share, so a flood of one tenant's fills only its own
+        # part of the queue and the others keep theirs.
+        share = tenant_share(self.max_waiting, self._weights, tenant)
+        if share is not None and tenant is not None:
+            held = self._pending_by_tenant.get(tenant, 0) + self._stats.seats_by_tenant.get(tenant, 0)
+            if held + params.n > share:
+                raise QueueFullError(f"tenant {tenant!r} has its share of the queue in flight "
+                                     f"({share} of max_waiting={self.max_waiting}); retry later")
 
     async def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
                        cache_salt: Optional[str] = None, priority: int = 0,
                        cache_pins: Sequence[CachePin] = (),
                        cache_write_limit: Optional[int] = None,
-                       routing_key: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       routing_key: Optional[str] = None,
+                       tenant: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """add_request + iterate; the request is aborted if the iteration stops early.
 
         Leaving an `async for` with break does not close an async generator
@@ -270,7 +289,7 @@ class AsyncLLM:
         """
         stream = await self.add_request(request_id, prompt, params, cache_salt=cache_salt,
                                         priority=priority, cache_pins=cache_pins,
-                                        cache_write_limit=cache_write_limit)
+                                        cache_write_limit=cache_write_limit, tenant=tenant)
         async with contextlib.aclosing(until_finished(stream, lambda: self.abort(request_id))) as outputs:
             async for output in outputs:
                 yield output
@@ -396,6 +415,13 @@ class AsyncLLM:
                     # Counted as pending until the refreshed stats count them,
                     # so the max_waiting bound never sees a gap.
                     self._pending_seats -= sum(c.seats for c in commands)
+                    for c in commands:
+                        if c.tenant is not None:
+                            left = self._pending_by_tenant[c.tenant] - c.seats
+                            if left:
+                                self._pending_by_tenant[c.tenant] = left
+                            else:
+                                del self._pending_by_tenant[c.tenant]
                     self._stats = self.engine.stats()
                 if self._in_engine and not self.engine.has_unfinished_requests():
                     # The engine ended requests without a final output: never leave a waiter hanging.

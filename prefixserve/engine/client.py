@@ -76,18 +76,22 @@ class EngineClient(Protocol):
                           cache_salt: Optional[str] = None, priority: int = 0,
                           cache_pins: Sequence[CachePin] = (),
                           cache_write_limit: Optional[int] = None,
-                          routing_key: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                          routing_key: Optional[str] = None,
+                          tenant: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Queues a request; returns its stream of (cumulative) outputs once the engine accepted
         it. cache_pins: prefixes to pin once the prompt is computed; cache_write_limit: how many
         leading prompt tokens may enter the cache (None: all); routing_key: the replica router's
-        first key (prompt_cache_key, namespaced). Raises QueueFullError,
+        first key (prompt_cache_key, namespaced); tenant: whose request it is (a name the
+        engine's tenant_weights may weigh; None: the anonymous tenant), for admission shares,
+        fair scheduling and cache floors. Raises QueueFullError,
         InvalidRequestError (nothing queued) or EngineDeadError."""
 
     def generate(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
                  cache_salt: Optional[str] = None, priority: int = 0,
                  cache_pins: Sequence[CachePin] = (),
                  cache_write_limit: Optional[int] = None,
-                 routing_key: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                 routing_key: Optional[str] = None,
+                 tenant: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """add_request + iterate; the request is aborted if the iteration stops early."""
 
     def abort(self, request_id: str) -> None:

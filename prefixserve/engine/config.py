@@ -5,7 +5,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from prefixserve.kv.config import EVICTION_POLICIES, HASH_ALGOS
+from prefixserve.kv.config import EVICTION_POLICIES, HASH_ALGOS, check_weights
 from prefixserve.kv.stores.url import parse_size as parse_size  # re-exported for entry points
 from prefixserve.kv.stores.url import parse_store_url
 from prefixserve.scheduler.config import SCHEDULING_POLICIES
@@ -56,6 +56,15 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # None: the model's limit, capped at 32768
     scheduling_policy: str = "fcfs"
     max_waiting: Optional[int] = None
+    # (tenant, weight) pairs (a dict is taken and kept as pairs): each named tenant's share of
+    # max_waiting, of each step and of the running slots, and of the KV pool's cached blocks.
+    # A tenant not named weighs 1 and has no share of its own (docs/tenants.md).
+    tenant_weights: tuple = ()
+    # Share max_waiting and each step across tenants by weight and weighted served-token counters
+    # (off: one queue for all, ordered as fcfs or priority says); keep each named tenant's cached
+    # blocks above its floor.
+    fair_scheduling: bool = True
+    tenant_cache_shares: bool = True
     # Share of the KV pool that explicit pins may hold, so pins cannot starve live requests.
     max_pinned_fraction: float = 0.5
     # Share of the KV pool one tenant's pins may hold (CachePin.tenant), so one tenant cannot
@@ -114,6 +123,10 @@ class EngineConfig:
         if isinstance(self.encoder_cache_bytes, bool) or not isinstance(self.encoder_cache_bytes, int) \
                 or self.encoder_cache_bytes < 0:
             raise ValueError(f"encoder_cache_bytes must be an int >= 0, got {self.encoder_cache_bytes!r}")
+        object.__setattr__(self, "tenant_weights", check_weights(self.tenant_weights))
+        for name in ("fair_scheduling", "tenant_cache_shares"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
 def _check_kv_stores(config: EngineConfig) -> None:

@@ -123,7 +123,8 @@ class Intake:
     def request(self, request_id: str, prompt: PromptInput, params: SamplingParams, *,
                 cache_salt: Optional[str], priority: int, arrival_time: Optional[float],
                 cache_pins: Sequence[CachePin], grammar: Optional[Constraint],
-                cache_write_limit: Optional[int] = None) -> tuple[Optional[str], Request, Optional[Constraint]]:
+                cache_write_limit: Optional[int] = None,
+                tenant: Optional[str] = None) -> tuple[Optional[str], Request, Optional[Constraint]]:
         """(prompt text, the scheduler's request, its compiled grammar) for LLMEngine.add_request;
         raises InvalidRequestError (or ValueError for a grammar without structured output)."""
         if grammar is not None and params.structured is None:
@@ -149,6 +150,7 @@ class Intake:
             eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
             cache_salt=salt,
             priority=priority,
+            tenant=tenant,
             arrival_time=arrival_time if arrival_time is not None else self.clock(),
             cache_breakpoints=tuple(sorted({p.num_tokens for p in cache_pins if p.exact})),
             cache_write_limit=cache_write_limit,

@@ -79,6 +79,8 @@ class LLMEngine:
             max_pinned_blocks=int(num_blocks * config.max_pinned_fraction),
             max_pinned_blocks_per_tenant=(None if config.max_pinned_fraction_per_tenant is None
                                           else int(num_blocks * config.max_pinned_fraction_per_tenant)),
+            tenant_weights=config.tenant_weights,
+            tenant_cache_shares=config.tenant_cache_shares,
         ), clock=clock)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -86,6 +88,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
             max_waiting=config.max_waiting,
+            tenant_weights=config.tenant_weights,
+            fair_scheduling=config.fair_scheduling,
         ), self.kv, clock=clock)
         self.runner = ModelRunner(self.loaded, block_size=config.block_size, num_blocks=num_blocks,
                                   vocab_limit=self.tokenizer.vocab_size, seed=config.seed,
@@ -146,7 +150,8 @@ class LLMEngine:
                     params: Optional[SamplingParams] = None, *, cache_salt: Optional[str] = None,
                     priority: int = 0, arrival_time: Optional[float] = None,
                     cache_pins: Sequence[CachePin] = (), grammar: Optional[Constraint] = None,
-                    cache_write_limit: Optional[int] = None, routing_key: Optional[str] = None) -> None:
+                    cache_write_limit: Optional[int] = None, routing_key: Optional[str] = None,
+                    tenant: Optional[str] = None) -> None:
         """Queues a request; raises InvalidRequestError (nothing queued) if it can never run.
 
         cache_pins: prefixes of this prompt to pin in the cache, each for its TTL, once the
@@ -157,6 +162,8 @@ class LLMEngine:
         routing_key: the key a router of replicas sends the request by (one engine: unused).
         grammar: compile_grammar(params), compiled by the caller off this thread (AsyncLLM does);
         None compiles params.structured here.
+        tenant: whose request it is (config.tenant_weights may weigh it), for fair scheduling
+        and cache floors; the engine knows tenants by name only.
         """
         params = params or SamplingParams()
         if request_id in self.groups.groups:
@@ -164,10 +171,11 @@ class LLMEngine:
         text, req, constraint = self.intake.request(
             request_id, prompt, params, cache_salt=cache_salt, priority=priority,
             arrival_time=arrival_time, cache_pins=cache_pins, grammar=grammar,
-            cache_write_limit=cache_write_limit)
+            cache_write_limit=cache_write_limit, tenant=tenant)
         self.scheduler.add_request(req)
         self.groups.add(Group(request_id, text, req.prompt_token_ids, params, req.cache_salt, req.arrival_time,
-                              cache_pins=tuple(cache_pins), grammar=constraint, image_spans=req.image_spans))
+                              cache_pins=tuple(cache_pins), grammar=constraint, image_spans=req.image_spans,
+                              tenant=tenant))
 
     def abort_request(self, request_ids: Union[str, Sequence[str]]) -> None:
         """Aborts requests (all their samples); every block they held is freed at once."""

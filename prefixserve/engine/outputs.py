@@ -124,6 +124,18 @@ class RequestOutput:
     image_spans: tuple = ()
 
 
+@dataclass(frozen=True)
+class TenantStats:
+    """One named tenant's part of the engine: its requests, what it was served, what it lost."""
+    tenant: str
+    num_waiting: int
+    num_running: int
+    tokens_served: int         # prompt tokens computed and output tokens generated for it
+    prompt_tokens: int         # of its admitted requests
+    cached_prompt_tokens: int  # of those, found in the prefix cache
+    evictions: int             # its cached blocks evicted (for anyone's miss)
+
+
 @dataclass
 class EngineStats:
     prompt_tokens: int
@@ -159,6 +171,10 @@ class EngineStats:
     # a vision-language model's: images the vision tower encoded, images served from the encoder cache
     encoder_runs: int = 0
     encoder_cache_hits: int = 0
+    # num_seats of each named tenant's requests, and one TenantStats per tenant the engine's
+    # tenant_weights name (none without them)
+    seats_by_tenant: dict = field(default_factory=dict)
+    tenants: tuple = ()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -53,6 +53,7 @@ class Group:
     # Compiled once and never advanced: each sample's matcher is a fork of it.
     grammar: Optional[Constraint] = None
     image_spans: tuple = ()   # the prompt's images (Request.image_spans)
+    tenant: Optional[str] = None
 
 
 # Samples a step forks, by scheduler request id: (group id, sample), joining their group once
@@ -88,6 +89,14 @@ class SampleGroups:
     def num_seats(self) -> int:
         """Sequences the requests held hold or will hold, each its n (admission bounds these)."""
         return sum(group.params.n for group in self.groups.values())
+
+    def seats_by_tenant(self) -> dict[str, int]:
+        """num_seats of each named tenant's requests (admission holds each to its share)."""
+        seats: dict[str, int] = {}
+        for group in self.groups.values():
+            if group.tenant is not None:
+                seats[group.tenant] = seats.get(group.tenant, 0) + group.params.n
+        return seats
 
     def new_sample(self, group: Group, index: int, seed: Optional[int]) -> Sample:
         generator = None

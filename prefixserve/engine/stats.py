@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from prefixserve.engine.kv_store_bridge import KVStoreBridge
-from prefixserve.engine.outputs import EngineStats
+from prefixserve.engine.outputs import EngineStats, TenantStats
 from prefixserve.engine.sample_groups import SampleGroups
 from prefixserve.kv import KVCacheManager
 from prefixserve.scheduler import Scheduler
@@ -46,4 +46,21 @@ def engine_stats(scheduler: Scheduler, kv_manager: KVCacheManager, runner: Model
         kv_stores=tuple(kv_stores.stats()) if kv_stores is not None else (),
         encoder_runs=encoder.runs if encoder is not None else 0,
         encoder_cache_hits=encoder.hits if encoder is not None else 0,
+        seats_by_tenant=groups.seats_by_tenant() if scheduler.tenants.weights else {},
+        tenants=_tenant_stats(scheduler, kv.evictions_by_tenant),
     )
+
+
+def _tenant_stats(scheduler: Scheduler, evictions: dict) -> tuple[TenantStats, ...]:
+    ledger = scheduler.tenants
+    if not ledger.weights:
+        return ()
+    waiting: dict = {}
+    running: dict = {}
+    for req in scheduler.waiting:
+        waiting[req.tenant] = waiting.get(req.tenant, 0) + 1
+    for req in scheduler.running:
+        running[req.tenant] = running.get(req.tenant, 0) + 1
+    return tuple(TenantStats(t, waiting.get(t, 0), running.get(t, 0), ledger.served[t],
+                             ledger.prompt_tokens[t], ledger.cached_tokens[t], evictions.get(t, 0))
+                 for t in ledger.weights)

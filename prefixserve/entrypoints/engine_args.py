@@ -74,6 +74,14 @@ def add_engine_args(parser: argparse.ArgumentParser, default_model: str, positio
                    help="longest prompt plus output, in tokens (default: the model's limit, at most 32768)")
     g.add_argument("--scheduling-policy", default=_DEFAULTS.scheduling_policy, choices=SCHEDULING_POLICIES,
                    help="which waiting request runs next")
+    g.add_argument("--fair-scheduling", action=argparse.BooleanOptionalAction, default=_DEFAULTS.fair_scheduling,
+                   help="share the waiting queue by tenant weight, and each step and the running slots across the "
+                        "tenants with work by their weighted served tokens (docs/tenants.md); off: one queue for "
+                        "all (default: on)")
+    g.add_argument("--tenant-cache-shares", action=argparse.BooleanOptionalAction,
+                   default=_DEFAULTS.tenant_cache_shares,
+                   help="keep each tenant's cached blocks above its weighted share of the pool against other "
+                        "tenants' misses (docs/tenants.md); off: one eviction order for all (default: on)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's own choice)")
     g.add_argument("--kv-store", dest="kv_stores", action="append", default=[], metavar="URL",

@@ -4,7 +4,7 @@ Pure Python (stdlib + xxhash); no torch, so every cache decision is testable wit
 """
 from prefixserve.kv.allocation import Allocation, PrefixHit
 from prefixserve.kv.block_pool import BlockPool
-from prefixserve.kv.config import EVICTION_POLICIES, HASH_ALGOS, KVCacheConfig
+from prefixserve.kv.config import EVICTION_POLICIES, HASH_ALGOS, KVCacheConfig, check_weights
 from prefixserve.kv.eviction import (EvictionPolicy, LFUPolicy, LRUPolicy, PriorityPolicy,
                                      make_policy)
 from prefixserve.kv.hashing import (SALT_TAG, BlockHash, BlockHasher, encode_extra_keys,
@@ -12,10 +12,12 @@ from prefixserve.kv.hashing import (SALT_TAG, BlockHash, BlockHasher, encode_ext
 from prefixserve.kv.manager import KVCacheManager
 from prefixserve.kv.pins import PinInfo, PinLimitError
 from prefixserve.kv.stats import KVCacheStats
+from prefixserve.kv.tenant_shares import TenantShares
 
 __all__ = [
     "Allocation", "BlockHash", "BlockHasher", "BlockPool", "EVICTION_POLICIES",
     "EvictionPolicy", "HASH_ALGOS", "KVCacheConfig", "KVCacheManager", "KVCacheStats",
     "LFUPolicy", "LRUPolicy", "PinInfo", "PinLimitError", "PrefixHit", "PriorityPolicy",
-    "SALT_TAG", "encode_extra_keys", "make_policy", "request_extra_keys", "token_bytes",
+    "SALT_TAG", "TenantShares", "check_weights", "encode_extra_keys", "make_policy",
+    "request_extra_keys", "token_bytes",
 ]

@@ -18,7 +18,7 @@ class Block:
     """
 
     __slots__ = ("block_id", "ref", "hash", "tokens", "extras", "parent", "parent_gen",
-                 "parent_hash", "gen", "uses", "priority")
+                 "parent_hash", "gen", "uses", "priority", "owner")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -35,3 +35,6 @@ class Block:
         self.gen = 0
         self.uses = 0        # times taken into use since it was last filled (LFU)
         self.priority = 0    # highest priority among the requests of its last use (priority policy)
+        # The tenant charged for the block while it is in use or cached: the one whose request
+        # allocated it (kv/tenant_shares.py); None when free and uncached, or anonymous.
+        self.owner: Optional[str] = None

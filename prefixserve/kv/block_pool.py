@@ -1,11 +1,12 @@
 """The pool of physical blocks: states, the hash index and lazy eviction."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 from prefixserve.kv.block import NO_PARENT, Block
 from prefixserve.kv.eviction import EvictionPolicy
 from prefixserve.kv.hashing import BlockHash
+from prefixserve.kv.tenant_shares import Owner, TenantShares
 
 
 class BlockPool:
@@ -25,6 +26,12 @@ class BlockPool:
         self.evicted: Optional[list[tuple]] = None
         # A KVEventLog (kv/events.py) when someone outside watches what this pool holds.
         self.observer = None
+        # Blocks in use or cached per owner (Block.owner), and each owner's cached blocks
+        # evicted for someone's miss (its own included); owners with none are absent.
+        self.held: dict[Owner, int] = {}
+        self.evictions_of: dict[Owner, int] = {}
+        # The policy itself when it keeps tenants' floors, else None.
+        self.shares = policy if isinstance(policy, TenantShares) else None
 
     @property
     def num_blocks(self) -> int:
@@ -48,9 +55,29 @@ class BlockPool:
     def free_ids(self) -> list[int]:
         return list(self._free)
 
-    def allocate(self, count: int, priority: int) -> list[int]:
-        """Takes `count` blocks into use (ref 1), free-uncached ones first, then evicting cached
-        ones. The caller checks num_available first."""
+    def num_available_for(self, owner: Owner, reclaim: Sequence[int] = ()) -> int:
+        """Blocks a request of owner's could be handed now: free ones, and cached ones its
+        miss may evict (all of them without shares), once the cached blocks in `reclaim` (a
+        prefix hit's, leaving the queue) are taken out."""
+        shares = self.shares
+        if shares is None:
+            return len(self._free) + len(self.policy) - sum(
+                1 for b in reclaim if self.blocks[b].ref == 0)
+        taken: dict[Owner, int] = {}
+        for b in reclaim:
+            if self.blocks[b].ref == 0:
+                taken[self.blocks[b].owner] = taken.get(self.blocks[b].owner, 0) + 1
+        return len(self._free) + shares.evictable_for(owner, self._allowance(owner), taken)
+
+    def _allowance(self, owner: Owner) -> int:
+        # How far below other tenants' floors owner's misses may evict: up to its own share.
+        assert self.shares is not None
+        return max(0, self.shares.floor(owner) - self.held.get(owner, 0))
+
+    def allocate(self, count: int, priority: int, owner: Owner = None) -> list[int]:
+        """Takes `count` blocks into use (ref 1) for owner, free-uncached ones first, then
+        evicting cached ones. The caller checks num_available_for(owner) first."""
+        allowance = self._allowance(owner) if self.shares is not None else 0
         free = self._free
         take = min(count, len(free))
         if take:
@@ -59,18 +86,27 @@ class BlockPool:
         else:
             ids = []
         for _ in range(count - take):
-            ids.append(self._evict())
+            if self.shares is None:
+                ids.append(self._evict(self.policy.pop()))
+            else:
+                block_id, below_floor = self.shares.pop_for(owner, allowance)
+                allowance -= below_floor
+                ids.append(self._evict(block_id))
         blocks = self.blocks
         for block_id in ids:
             block = blocks[block_id]
             block.ref = 1
             block.uses = 1
             block.priority = priority
+            block.owner = owner
+        if ids:
+            self.held[owner] = self.held.get(owner, 0) + len(ids)
         return ids
 
-    def _evict(self) -> int:
-        block_id = self.policy.pop()
+    def _evict(self, block_id: int) -> int:
         block = self.blocks[block_id]
+        self._drop_holding(block.owner)
+        self.evictions_of[block.owner] = self.evictions_of.get(block.owner, 0) + 1
         if self.evicted is not None:
             self.evicted.append((block_id, block.hash, block.parent_hash, block.tokens,
                                  block.extras))
@@ -110,6 +146,8 @@ class BlockPool:
                     policy.push(block)
                 else:
                     free.append(block_id)
+                    self._drop_holding(block.owner)
+                    block.owner = None
 
     def register(self, block_id: int, block_hash: BlockHash, tokens: bytes, extras: bytes,
                  parent: int, parent_gen: int, parent_hash: BlockHash) -> None:
@@ -131,7 +169,16 @@ class BlockPool:
         if block.ref == 0:
             self.policy.remove(block_id)
             self._free.append(block_id)
+            self._drop_holding(block.owner)
+            block.owner = None
         self._forget(block)
+
+    def _drop_holding(self, owner: Owner) -> None:
+        count = self.held[owner] - 1
+        if count:
+            self.held[owner] = count
+        else:
+            del self.held[owner]
 
     def _forget(self, block: Block) -> None:
         if block.hash is None:

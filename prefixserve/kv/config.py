@@ -2,10 +2,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Mapping, Optional, Union
 
 HASH_ALGOS = ("xxh3_64", "xxh3_128", "sha256")
 EVICTION_POLICIES = ("lru", "lfu", "priority")
+
+
+def check_weights(weights: Union[Mapping[str, float], Iterable[tuple[str, float]]]
+                  ) -> tuple[tuple[str, float], ...]:
+    """(name, weight) pairs as a tuple; every weight a positive finite number, names unique."""
+    pairs = tuple(weights.items()) if isinstance(weights, Mapping) else tuple(weights)
+    names = set()
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise ValueError(f"tenant_weights holds (tenant, weight) pairs, got {pair!r}")
+        name, weight = pair
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a tenant name is a non-empty string, got {name!r}")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+            raise ValueError(f"tenant {name!r}: weight must be a positive number, got {weight!r}")
+        if name in names:
+            raise ValueError(f"tenant {name!r} is weighted twice")
+        names.add(name)
+    return pairs
 
 
 @dataclass(frozen=True)
@@ -21,6 +40,10 @@ class KVCacheConfig:
     max_pinned_blocks: Optional[int] = None
     # Cap on the distinct blocks one tenant's pins hold (kv/pins.py); None: only the cap above.
     max_pinned_blocks_per_tenant: Optional[int] = None
+    # (tenant, weight) pairs: with two or more and tenant_cache_shares, each tenant's cached
+    # blocks keep a floor of its weighted share of the pool (kv/tenant_shares.py).
+    tenant_weights: tuple = ()
+    tenant_cache_shares: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size"):
@@ -41,3 +64,6 @@ class KVCacheConfig:
             cap = getattr(self, name)
             if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
                 raise ValueError(f"{name} must be None or an int >= 0, got {cap!r}")
+        object.__setattr__(self, "tenant_weights", check_weights(self.tenant_weights))
+        if not isinstance(self.tenant_cache_shares, bool):
+            raise ValueError(f"tenant_cache_shares must be a bool, got {self.tenant_cache_shares!r}")

@@ -7,8 +7,9 @@ or the heap is compacted, which keeps removal O(1) and never scans a list.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Iterator, Optional
 
 from prefixserve.kv.block import Block
 
@@ -36,6 +37,15 @@ class EvictionPolicy:
 
     def order(self) -> list[int]:
         """Queued blocks, next victim first (for tests and diagnostics; O(n log n))."""
+        return [block_id for _, block_id in self.keyed_order()]
+
+    def peek(self) -> tuple[int, ...]:
+        """The sort key of the next victim (the queue is not empty). Queues made with one
+        `ticks` compare by these keys as if they were one queue (kv/tenant_shares.py)."""
+        raise NotImplementedError
+
+    def keyed_order(self) -> list[tuple[tuple[int, ...], int]]:
+        """(sort key, block id) of every queued block, next victim first."""
         raise NotImplementedError
 
 
@@ -44,11 +54,12 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
 
-    def __init__(self) -> None:
-        self._queue: OrderedDict[int, None] = OrderedDict()
+    def __init__(self, ticks: Optional[Iterator[int]] = None) -> None:
+        self._queue: OrderedDict[int, int] = OrderedDict()   # block id -> when it was freed
+        self._ticks = ticks if ticks is not None else itertools.count()
 
     def push(self, block: Block) -> None:
-        self._queue[block.block_id] = None
+        self._queue[block.block_id] = next(self._ticks)
 
     def remove(self, block_id: int) -> None:
         del self._queue[block_id]
@@ -62,23 +73,26 @@ class LRUPolicy(EvictionPolicy):
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._queue
 
-    def order(self) -> list[int]:
-        return list(self._queue)
+    def peek(self) -> tuple[int, ...]:
+        return (next(iter(self._queue.values())),)
+
+    def keyed_order(self) -> list[tuple[tuple[int, ...], int]]:
+        return [((tick,), block_id) for block_id, tick in self._queue.items()]
 
 
 class _HeapPolicy(EvictionPolicy):
     """Smallest key first, ties least recently freed first."""
 
-    def __init__(self, key: Callable[[Block], int]) -> None:
+    def __init__(self, key: Callable[[Block], int], ticks: Optional[Iterator[int]] = None) -> None:
         self._key = key
         self._heap: list[tuple[int, int, int]] = []   # (key, seq, block_id)
         self._live: dict[int, int] = {}               # block_id -> seq of its valid entry
-        self._seq = 0
+        self._ticks = ticks if ticks is not None else itertools.count(1)
 
     def push(self, block: Block) -> None:
-        self._seq += 1
-        self._live[block.block_id] = self._seq
-        heapq.heappush(self._heap, (self._key(block), self._seq, block.block_id))
+        seq = next(self._ticks)
+        self._live[block.block_id] = seq
+        heapq.heappush(self._heap, (self._key(block), seq, block.block_id))
         # Lazy deletion leaves dead entries behind; rebuilding once they outnumber the live
         # ones keeps the heap O(live) and each operation amortised O(log n).
         if len(self._heap) > 2 * len(self._live) + 64:
@@ -102,8 +116,14 @@ class _HeapPolicy(EvictionPolicy):
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._live
 
-    def order(self) -> list[int]:
-        return [e[2] for e in sorted(self._heap) if self._live.get(e[2]) == e[1]]
+    def peek(self) -> tuple[int, ...]:
+        heap, live = self._heap, self._live
+        while live.get(heap[0][2]) != heap[0][1]:
+            heapq.heappop(heap)   # a removed block's entry: dropped now rather than later
+        return heap[0][:2]
+
+    def keyed_order(self) -> list[tuple[tuple[int, ...], int]]:
+        return [(e[:2], e[2]) for e in sorted(self._heap) if self._live.get(e[2]) == e[1]]
 
 
 class LFUPolicy(_HeapPolicy):
@@ -111,8 +131,8 @@ class LFUPolicy(_HeapPolicy):
 
     name = "lfu"
 
-    def __init__(self) -> None:
-        super().__init__(lambda block: block.uses)
+    def __init__(self, ticks: Optional[Iterator[int]] = None) -> None:
+        super().__init__(lambda block: block.uses, ticks)
 
 
 class PriorityPolicy(_HeapPolicy):
@@ -120,17 +140,17 @@ class PriorityPolicy(_HeapPolicy):
 
     name = "priority"
 
-    def __init__(self) -> None:
-        super().__init__(lambda block: block.priority)
+    def __init__(self, ticks: Optional[Iterator[int]] = None) -> None:
+        super().__init__(lambda block: block.priority, ticks)
 
 
-_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+_POLICIES: dict[str, Callable[[Optional[Iterator[int]]], EvictionPolicy]] = {
     "lru": LRUPolicy, "lfu": LFUPolicy, "priority": PriorityPolicy,
 }
 
 
-def make_policy(name: str) -> EvictionPolicy:
+def make_policy(name: str, ticks: Optional[Iterator[int]] = None) -> EvictionPolicy:
     try:
-        return _POLICIES[name]()
+        return _POLICIES[name](ticks)
     except KeyError:
         raise ValueError(f"eviction_policy must be one of {tuple(_POLICIES)}, got {name!r}") from None

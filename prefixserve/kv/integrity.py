@@ -68,6 +68,7 @@ def check_integrity(pool: BlockPool, requests: Mapping[str, RequestBlocks],
             _check(blocks[block.parent].hash == block.parent_hash,
                    f"block {b} links to live parent {block.parent} whose hash differs")
     _check(hashed == len(pool.index), "the index maps hashes to blocks that do not hold them")
+    _check_owners(pool)
 
     holders: Counter[int] = Counter()
     for rid, req in requests.items():
@@ -86,3 +87,24 @@ def check_integrity(pool: BlockPool, requests: Mapping[str, RequestBlocks],
                f"{holders.get(block.block_id, 0)} holders (tables + pins)")
     for b in pin_counts:
         _check(blocks[b].hash is not None, f"pinned block {b} is not cached")
+
+
+def _check_owners(pool: BlockPool) -> None:
+    """Every block in use or cached is charged to one owner (kv/tenant_shares.py), the pool's
+    per-owner counts add up, and with shares each cached free block waits in its owner's queue."""
+    held: Counter = Counter()
+    for block in pool.blocks:
+        if block.ref == 0 and block.hash is None:
+            _check(block.owner is None, f"free uncached block {block.block_id} is still charged "
+                                        f"to {block.owner!r}")
+        else:
+            held[block.owner] += 1
+    _check(dict(held) == pool.held, f"blocks held per owner are {dict(held)}, the pool counts "
+                                    f"{pool.held}")
+    shares = pool.shares
+    if shares is not None:
+        for block in pool.blocks:
+            if block.block_id in shares:
+                _check(shares.owner_of(block.block_id) == block.owner,
+                       f"cached block {block.block_id} of {block.owner!r} waits in the queue of "
+                       f"{shares.owner_of(block.block_id)!r}")

@@ -15,7 +15,7 @@ from prefixserve.kv.allocation import Allocation, PrefixHit
 from prefixserve.kv.block import NO_PARENT
 from prefixserve.kv.block_pool import BlockPool
 from prefixserve.kv.config import KVCacheConfig
-from prefixserve.kv.eviction import make_policy
+from prefixserve.kv.eviction import EvictionPolicy, make_policy
 from prefixserve.kv.hashing import (BlockHash, BlockHasher, HashFn, ImageSpan, encode_extra_keys,
                                     request_extra_keys, special_block_extras, token_bytes)
 from prefixserve.kv.integrity import check_integrity
@@ -25,6 +25,7 @@ from prefixserve.kv.pins import PinInfo, PinRegistry
 from prefixserve.kv.request_blocks import RequestBlocks
 from prefixserve.kv.stats import KVCacheCounters, KVCacheStats
 from prefixserve.kv.store_lookup import StoreLookup
+from prefixserve.kv.tenant_shares import TenantShares, block_shares
 from prefixserve.kv.stores.record import BlockMeta
 
 # Lookups hash a prompt in chunks of this many blocks, so a miss early in a long prompt does
@@ -48,7 +49,13 @@ class KVCacheManager:
         self.enable_prefix_caching = config.enable_prefix_caching
         self.hasher = BlockHasher(config.hash_algo, config.model_identity, hash_fn)
         self._clock = clock
-        self._pool = BlockPool(config.num_blocks, make_policy(config.eviction_policy))
+        weights = config.tenant_weights
+        if config.tenant_cache_shares and len(weights) > 1:
+            policy: EvictionPolicy = TenantShares(config.eviction_policy,
+                                                  block_shares(config.num_blocks, weights))
+        else:
+            policy = make_policy(config.eviction_policy)
+        self._pool = BlockPool(config.num_blocks, policy)
         self._pins = PinRegistry(config.max_pinned_blocks, config.max_pinned_blocks_per_tenant)
         self._requests: dict[str, RequestBlocks] = {}
         self._counters = KVCacheCounters()
@@ -139,12 +146,14 @@ class KVCacheManager:
                        cache_salt: Optional[str] = None, priority: int = 0,
                        breakpoints: Sequence[int] = (),
                        write_limit: Optional[int] = None,
-                       image_spans: Sequence[ImageSpan] = ()) -> Optional[Allocation]:
-        """Blocks for num_new_tokens more tokens of the request (a new request first takes its
-        hit). breakpoints, write_limit and image_spans count on a request's first allocation:
-        the prompt lengths whose prefix is kept token-exact (partial_blocks.py), how many
-        leading tokens of it may enter the cache at all (None: every full block), and the
-        images whose content keys the blocks they overlap."""
+                       image_spans: Sequence[ImageSpan] = (),
+                       tenant: Optional[str] = None) -> Optional[Allocation]:
+        """Slots for num_new_tokens more tokens of request_id (all or nothing: None when the
+        blocks cannot be had); a new request first takes its hit. Blocks it takes are charged
+        to tenant (kv/tenant_shares.py). breakpoints, write_limit and image_spans count on a
+        request's first allocation: the prompt lengths whose prefix is kept token-exact
+        (partial_blocks.py), how many leading tokens of it may enter the cache at all (None:
+        every full block), and the images whose content keys the blocks they overlap."""
         if num_computed_tokens < 0 or num_new_tokens < 0:
             raise ValueError(f"num_computed_tokens ({num_computed_tokens}) and num_new_tokens "
                              f"({num_new_tokens}) must be >= 0")
@@ -159,7 +168,7 @@ class KVCacheManager:
         blocks = pool.blocks
         req = self._requests.get(request_id)
         cow: list[int] = []
-        reclaimed = 0
+        reclaim: Sequence[int] = ()
         due: tuple[int, list[PartialEntry]] = (0, [])
         if req is None:
             hit_ids = hit.block_ids if hit is not None else []
@@ -171,7 +180,7 @@ class KVCacheManager:
             if hit is not None and hit_ids:
                 self._check_hit(request_id, hit)
                 # Hit blocks leave the eviction queue, so they cannot also be evicted for us.
-                reclaimed = sum(1 for b in hit_ids if blocks[b].ref == 0)
+                reclaim = hit_ids
             table = hit_ids
             have = len(hit_ids)
         else:
@@ -195,7 +204,7 @@ class KVCacheManager:
                    if blocks[table[j]].ref > 1 or blocks[table[j]].hash is not None
                    or table[j] in caching]
         grow = max(0, -(-end // bs) - have)
-        if grow + len(cow) > pool.num_available - reclaimed:
+        if grow + len(cow) and grow + len(cow) > pool.num_available_for(tenant, reclaim):
             return None
         # Everything that can reject bad input runs before the first change.
         if req is None:
@@ -223,16 +232,17 @@ class KVCacheManager:
                     req.pending = pending_breakpoints(token_ids, breakpoints, bs,
                                                       num_computed_tokens)
         copies = []
+        # One allocation for both, so the floors it respects are the ones checked above.
+        fresh = pool.allocate(len(cow) + grow, priority, tenant) if grow + len(cow) else []
         if cow:
             table = req.table
-            fresh = pool.allocate(len(cow), priority)
             for j, dst in zip(cow, fresh):
                 src = table[j]
                 table[j] = dst
                 copies.append((src, dst))
             pool.release(src for src, _ in copies)
             self._counters.cow_copies += len(copies)
-        new_ids = pool.allocate(grow, priority) if grow else []
+        new_ids = fresh[len(cow):]
         req.table.extend(new_ids)
         req.allocated_end = end
         if new_full_tokens is not None:
@@ -555,6 +565,7 @@ class KVCacheManager:
             recomputed_hit_tokens=c.recomputed_hit_tokens,
             evictions=pool.num_evictions,
             cow_copies=c.cow_copies,
+            evictions_by_tenant={t: n for t, n in pool.evictions_of.items() if t is not None},
         )
 
     def watch(self, log) -> None:
@@ -645,8 +656,8 @@ class KVCacheManager:
         for b, g in zip(lookup.prefix_ids, lookup.prefix_gens):
             if blocks[b].gen != g:
                 raise ValueError("the lookup is stale: import in the same step as the lookup")
-        held = sum(1 for b in lookup.prefix_ids if blocks[b].ref == 0)
-        count = max(0, min(count, len(lookup.candidates), pool.num_available - held))
+        count = max(0, min(count, len(lookup.candidates),
+                           pool.num_available_for(None, lookup.prefix_ids)))
         if count == 0:
             return []
         # Held while allocating, so making room never evicts the chain being extended.

@@ -1,7 +1,7 @@
 """Counters of the KV cache, in tokens where they measure the prefix cache."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -35,6 +35,8 @@ class KVCacheStats:
     recomputed_hit_tokens: int
     evictions: int                # cached blocks whose hash was dropped to reuse the block
     cow_copies: int
+    # per named tenant: its cached blocks evicted (charged to the tenant that wrote them)
+    evictions_by_tenant: dict = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:

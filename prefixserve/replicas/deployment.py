@@ -63,13 +63,14 @@ class EngineReplica:
                        cache_salt: Optional[str] = None, priority: int = 0,
                        cache_pins: Sequence[CachePin] = (),
                        cache_write_limit: Optional[int] = None,
-                       routing_key: Optional[str] = None) -> AsyncIterator:
+                       routing_key: Optional[str] = None,
+                       tenant: Optional[str] = None) -> AsyncIterator:
         # routing_key was read by the router (router.py) before this replica was chosen
         self._ensure_publisher()
         stream = await self.llm.add_request(request_id, {"prompt_token_ids": list(token_ids)},
                                             params, cache_salt=cache_salt, priority=priority,
                                             cache_pins=cache_pins,
-                                            cache_write_limit=cache_write_limit)
+                                            cache_write_limit=cache_write_limit, tenant=tenant)
         deltas = DeltaEncoder()
         try:
             yield (ACCEPTED, self.replica_id)

@@ -177,7 +177,8 @@ class ReplicatedLLM:
                           cache_salt: Optional[str] = None, priority: int = 0,
                           cache_pins: Sequence[CachePin] = (),
                           cache_write_limit: Optional[int] = None,
-                          routing_key: Optional[str] = None) -> ReplicaStream:
+                          routing_key: Optional[str] = None,
+                          tenant: Optional[str] = None) -> ReplicaStream:
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
             # the replicas are handed token ids only: an image would be dropped, its placeholder read as text
             raise InvalidRequestError("images are not served under --replicas yet", param="multi_modal_data",
@@ -196,7 +197,7 @@ class ReplicatedLLM:
                     self._contents.reserve(pin.content)
                     creating.append((i, pin.content))
             stream = await self._send(request_id, token_ids, params, cache_salt, priority,
-                                      cache_pins, cache_write_limit, routing_key)
+                                      cache_pins, cache_write_limit, routing_key, tenant)
         except BaseException:
             for _, content in creating:
                 self._contents.release(content)
@@ -217,13 +218,13 @@ class ReplicatedLLM:
     async def _send(self, request_id: str, token_ids: list[int], params: SamplingParams,
                     cache_salt: Optional[str], priority: int,
                     cache_pins: Sequence[CachePin], cache_write_limit: Optional[int] = None,
-                    routing_key: Optional[str] = None) -> ReplicaStream:
+                    routing_key: Optional[str] = None, tenant: Optional[str] = None) -> ReplicaStream:
         for attempt in (0, 1):
             response = self._gen.remote(request_id=request_id, token_ids=token_ids, params=params,
                                         cache_salt=cache_salt, priority=priority,
                                         cache_pins=tuple(cache_pins),
                                         cache_write_limit=cache_write_limit,
-                                        routing_key=routing_key)
+                                        routing_key=routing_key, tenant=tenant)
             try:
                 marker = await response.__anext__()
             except Exception as exc:
@@ -249,11 +250,13 @@ class ReplicatedLLM:
                        cache_salt: Optional[str] = None, priority: int = 0,
                        cache_pins: Sequence[CachePin] = (),
                        cache_write_limit: Optional[int] = None,
-                       routing_key: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       routing_key: Optional[str] = None,
+                       tenant: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """add_request + iterate; the request is aborted if the iteration stops early."""
         stream = await self.add_request(request_id, prompt, params, cache_salt=cache_salt,
                                         priority=priority, cache_pins=cache_pins,
-                                        cache_write_limit=cache_write_limit, routing_key=routing_key)
+                                        cache_write_limit=cache_write_limit, routing_key=routing_key,
+                                        tenant=tenant)
         async with contextlib.aclosing(until_finished(stream, lambda: self.abort(request_id))) as outputs:
             async for output in outputs:
                 yield output
@@ -388,7 +391,8 @@ class ReplicatedLLM:
             stream = await self._send(
                 f"cc-again-{next(self._content_requests)}", list(content.token_ids),
                 SamplingParams(temperature=0.0, max_tokens=1), content.cache_salt, 0,
-                [CachePin(len(content.token_ids), ttl_s, content=again, tenant=content.tenant)])
+                [CachePin(len(content.token_ids), ttl_s, content=again, tenant=content.tenant)],
+                tenant=content.tenant)
             output = None
             async for output in stream:
                 pass

@@ -37,6 +37,8 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: Optional[str] = None
     priority: int = 0
+    # Who the request is for (a name from the server's keys file; None: the anonymous tenant).
+    tenant: Optional[str] = None
     arrival_time: float = field(default_factory=time.monotonic)
     # Prompt lengths whose prefix the cache keeps token-exact (explicit breakpoints): a prefill
     # chunk ends at each one not on a block boundary, so its partial block can be cached.

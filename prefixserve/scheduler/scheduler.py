@@ -5,6 +5,11 @@ chunks already under way), in priority-then-arrival order, then new requests
 from the waiting queue. When the pool runs dry the least important, latest
 running request is preempted: its blocks go back to the pool (still cached),
 and it is recomputed later, mostly from those cached blocks.
+
+With several tenants having work (and fair_scheduling on), the step is shared
+between them instead (_schedule_shares): each gets up to its weighted slice of
+the budget in counter order (scheduler/tenants.py), then what is left goes to
+whoever can use it, lowest counter first; within a tenant the order above holds.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from prefixserve.kv import Allocation, KVCacheManager
 from prefixserve.scheduler.config import SchedulerConfig
 from prefixserve.scheduler.output import ScheduledSequence, SchedulerOutput
 from prefixserve.scheduler.request import Request, RequestStatus, child_request_id
+from prefixserve.scheduler.tenants import TenantLedger, tenant_share
 
 
 @dataclass
@@ -54,6 +60,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        self.tenants = TenantLedger(dict(config.tenant_weights))
         self._failed: list[str] = []
         # Requests the worker holds a block table row for, and those whose rows it must drop next.
         self._worker_rows: set[str] = set()
@@ -72,9 +79,15 @@ class Scheduler:
         self.check_fits(req.num_prompt_tokens, req.max_tokens)
         if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        if self.config.max_waiting is not None and self.config.fair_scheduling:
+            share = tenant_share(self.config.max_waiting, self.tenants.weights, req.tenant)
+            if share is not None and sum(r.tenant == req.tenant for r in self.waiting) >= share:
+                raise QueueFullError(f"tenant {req.tenant!r} has its share of the waiting queue "
+                                     f"({share} of {self.config.max_waiting} requests) waiting")
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        self.tenants.arrived(req.tenant)
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raises an InvalidRequestError for a request that no amount of waiting would let run."""
@@ -112,46 +125,181 @@ class Scheduler:
         self._undo = {}
         self._last_plan = out
 
-        for req in list(self.running):
-            if budget == 0:
-                break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            if only is not None and req.request_id not in only:
-                continue
-            num_new = self._chunk(req, req.num_computed_tokens,
-                                  min(req.num_tokens - req.num_computed_tokens, budget))
-            if num_new <= 0:
-                continue
-            while True:
-                alloc = self.kv.allocate_slots(
-                    req.request_id, req.all_token_ids, req.num_computed_tokens, num_new,
-                    cache_salt=req.cache_salt, priority=req.priority,
-                    breakpoints=req.cache_breakpoints, write_limit=req.cache_write_limit,
-                    image_spans=req.image_spans)
-                if alloc is not None:
+        if self._fair_step():
+            self._schedule_shares(out, budget, scheduled, only)
+        else:
+            for req in list(self.running):
+                if budget == 0:
                     break
-                victim = self._pick_victim(scheduled)
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            if alloc is None:
-                continue
-            out.block_copies.extend(alloc.copies)
-            budget -= num_new
-            scheduled.add(req.request_id)
-            if alloc.copies:
-                self._undo[req.request_id] = _Undo(RequestStatus.RUNNING, False, True,
-                                                   req.num_cached_tokens, req.first_scheduled_time)
-            out.sequences.append(self._plan(req, num_new, alloc))
-
-        # New work only joins a step that did not have to take memory back.
-        if not out.preempted_ids:
-            self._admit_waiting(out, budget, scheduled, only)
+                if req.status is not RequestStatus.RUNNING:
+                    continue  # preempted earlier in this loop
+                if only is not None and req.request_id not in only:
+                    continue
+                num_new = self._chunk(req, req.num_computed_tokens,
+                                      min(req.num_tokens - req.num_computed_tokens, budget))
+                if num_new <= 0:
+                    continue
+                if self._run_one(req, num_new, scheduled, out):
+                    budget -= num_new
+            # New work only joins a step that did not have to take memory back.
+            if not out.preempted_ids:
+                self._admit_waiting(out, budget, scheduled, only)
         if out.is_empty and not self.running and self.waiting and only is None:
             self._fail_unservable(self.waiting[0])
         out.dropped_ids = self.take_dropped_ids()
         return out
+
+    def _run_one(self, req: Request, num_new: int, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """Allocates a running request's next num_new tokens, preempting others (or itself)
+        while the pool is short; whether it was scheduled."""
+        while True:
+            alloc = self.kv.allocate_slots(
+                req.request_id, req.all_token_ids, req.num_computed_tokens, num_new,
+                cache_salt=req.cache_salt, priority=req.priority,
+                breakpoints=req.cache_breakpoints, write_limit=req.cache_write_limit,
+                image_spans=req.image_spans, tenant=req.tenant)
+            if alloc is not None:
+                break
+            victim = self._pick_victim(scheduled)
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        out.block_copies.extend(alloc.copies)
+        scheduled.add(req.request_id)
+        if alloc.copies:
+            self._undo[req.request_id] = _Undo(RequestStatus.RUNNING, False, True,
+                                               req.num_cached_tokens, req.first_scheduled_time)
+        out.sequences.append(self._plan(req, num_new, alloc))
+        return True
+
+    def _fair_step(self) -> bool:
+        return self.config.fair_scheduling and self.tenants.num_active > 1
+
+    def _schedule_shares(self, out: SchedulerOutput, budget: int, scheduled: set[str],
+                         only: Optional[Collection[str]]) -> None:
+        """The step shared across tenants. Pass one serves each tenant with work, lowest
+        counter first, up to its weighted slice of the budget (at least one token), so every
+        tenant able to run gets tokens in every step; pass two hands what is left to whoever can
+        use it, lowest counter first (work-conserving). A tenant's running requests go before
+        its waiting ones, each list in importance order. A waiting request short of memory
+        preempts work of a tenant holding more of the pool per weight than its own (_preempt_for);
+        one it still cannot place (no slot within its share, no memory) stops its tenant's
+        admissions, not the others'; after a preemption only the tenant that made room for
+        itself is admitted, as the one-tenant step admits nobody."""
+        ledger = self.tenants
+        if len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=self._importance))
+        running: dict[Optional[str], deque[Request]] = {}
+        waiting: dict[Optional[str], deque[Request]] = {}
+        for req in self.running:
+            if only is None or req.request_id in only:
+                running.setdefault(req.tenant, deque()).append(req)
+        for req in self.waiting:
+            if only is None or req.request_id in only:
+                waiting.setdefault(req.tenant, deque()).append(req)
+        tenants = set(running) | set(waiting)
+        total_weight = sum(ledger.weight(t) for t in tenants)
+        step_budget = budget
+        admitting = set(waiting)
+        made_room: set[Optional[str]] = set()   # tenants that preempted others' work to be admitted
+
+        holding = self._holding()
+
+        def order(t: Optional[str]) -> tuple[float, float, tuple[int, float, int]]:
+            # lowest counter first; on a tie (a tenant just lifted to the others' minimum) the
+            # one holding less, then the more important head
+            queue = running.get(t) or waiting[t]
+            return ledger.counter(t), holding.get(t, 0.0), self._importance(queue[0])
+
+        def serve(t: Optional[str], quota: Optional[int]) -> None:
+            nonlocal budget
+            left = budget if quota is None else min(quota, budget)
+            queue = running.get(t, deque())
+            while queue and left > 0:
+                req = queue.popleft()
+                num_new = self._chunk(req, req.num_computed_tokens,
+                                      min(req.num_tokens - req.num_computed_tokens, left))
+                if req.status is not RequestStatus.RUNNING or num_new <= 0:
+                    continue  # preempted earlier in this step, or nothing to compute
+                if self._run_one(req, num_new, scheduled, out):
+                    budget -= num_new
+                    left -= num_new
+            queue = waiting.get(t, deque())
+            while queue and left > 0 and t in admitting and (not out.preempted_ids or t in made_room):
+                req = queue[0]
+                granted = None
+                if self._slot_within_share(req, waiting, admitting, total_weight):
+                    granted = self._admit_one(req, left, out, scheduled)
+                    while granted is None and self._preempt_for(req, scheduled, out):
+                        made_room.add(t)
+                        granted = self._admit_one(req, left, out, scheduled)
+                if granted is None:
+                    admitting.discard(t)
+                    break
+                queue.popleft()
+                budget -= granted
+                left -= granted
+
+        for t in sorted(tenants, key=order):
+            if budget == 0:
+                return
+            serve(t, max(1, int(step_budget * ledger.weight(t) / total_weight)))
+        for t in sorted(tenants, key=lambda t: ledger.counter(t)):
+            if budget == 0:
+                return
+            serve(t, None)
+
+    def _holding(self) -> dict[Optional[str], float]:
+        """Computed tokens each tenant's running requests hold, per unit of its weight: how far
+        over its share of the pool it is, in comparison with the others."""
+        held: dict[Optional[str], float] = {}
+        for r in self.running:
+            held[r.tenant] = held.get(r.tenant, 0.0) + r.num_computed_tokens / self.tenants.weight(r.tenant)
+        return held
+
+    def _preempt_for(self, req: Request, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """Memory for a waiting request whose tenant holds less of the pool (per weight) than
+        another: preempts the least important request, not yet scheduled in this step, of the
+        tenant holding the most. Whether one was preempted (False: none holds more)."""
+        held = self._holding()
+        mine = held.get(req.tenant, 0.0)
+        candidates = [r for r in self.running
+                      if r.request_id not in scheduled and r.tenant != req.tenant and held[r.tenant] > mine]
+        if not candidates:
+            return False
+        most = max(held[r.tenant] for r in candidates)
+        victim = max((r for r in candidates if held[r.tenant] == most), key=self._importance)
+        self._preempt(victim, out)
+        return True
+
+    def _slot_within_share(self, req: Request, waiting: dict[Optional[str], deque[Request]],
+                           admitting: set[Optional[str]], total_weight: float) -> bool:
+        """Whether req may take running slots now: a free one within its tenant's weighted
+        share of max_num_seqs, or beyond it one that no other waiting tenant still needs to
+        reach its own share (an idle tenant's slots go to the others)."""
+        seats = self._seats(req)
+        limit = self.config.max_num_seqs
+        if not self.running:
+            return True
+        if len(self.running) + seats > limit:
+            return False
+        ledger = self.tenants
+        holding: dict[Optional[str], int] = {}
+        for r in self.running:
+            holding[r.tenant] = holding.get(r.tenant, 0) + 1
+
+        def share(t: Optional[str]) -> int:
+            return max(1, int(limit * ledger.weight(t) / total_weight))
+
+        if holding.get(req.tenant, 0) + seats <= share(req.tenant):
+            return True
+        reserved = sum(max(0, share(t) - holding.get(t, 0)) for t, queue in waiting.items()
+                       if queue and t != req.tenant and t in admitting)
+        return len(self.running) + seats + reserved <= limit
+
+    @staticmethod
+    def _seats(req: Request) -> int:
+        return req.sampling_params.n if req.sample_index == 0 and req.num_output_tokens == 0 else 1
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set[str],
                        only: Optional[Collection[str]]) -> None:
@@ -167,40 +315,49 @@ class Scheduler:
                 req = candidates.pop(0)
             else:
                 break
-            seats = req.sampling_params.n if req.sample_index == 0 and req.num_output_tokens == 0 else 1
-            if self.running and len(self.running) + seats > self.config.max_num_seqs:
+            if self.running and len(self.running) + self._seats(req) > self.config.max_num_seqs:
                 break
-            resumed = req.num_preemptions > 0
-            hit = self.kv.find_cached_prefix(
-                req.request_id, req.all_token_ids, cache_salt=req.cache_salt, preempted=resumed,
-                breakpoints=req.cache_breakpoints, image_spans=req.image_spans)
-            num_new = self._chunk(req, hit.num_tokens, min(req.num_tokens - hit.num_tokens, budget))
-            alloc = self.kv.allocate_slots(
-                req.request_id, req.all_token_ids, hit.num_tokens, num_new, hit=hit,
-                cache_salt=req.cache_salt, priority=req.priority,
-                breakpoints=req.cache_breakpoints, write_limit=req.cache_write_limit,
-                image_spans=req.image_spans)
-            if alloc is None:
+            granted = self._admit_one(req, budget, out, scheduled)
+            if granted is None:
                 break
-            if candidates is None:
-                self.waiting.popleft()
-            else:
-                self.waiting.remove(req)
-            out.block_copies.extend(alloc.copies)
-            self._undo[req.request_id] = _Undo(req.status, True, bool(alloc.copies),
-                                               req.num_cached_tokens, req.first_scheduled_time)
-            req.num_computed_tokens = hit.num_tokens
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = hit.num_tokens
-                req.first_scheduled_time = self.clock()
-                self.stats.requests_admitted += 1
-                self.stats.prompt_tokens += req.num_prompt_tokens
-                self.stats.cached_prompt_tokens += hit.num_tokens
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            budget -= num_new
-            scheduled.add(req.request_id)
-            out.sequences.append(self._plan(req, num_new, alloc))
+            budget -= granted
+
+    def _admit_one(self, req: Request, budget: int, out: SchedulerOutput,
+                   scheduled: set[str]) -> Optional[int]:
+        """Admits a waiting request with up to budget tokens: the tokens granted, or None (and
+        nothing changed) when its blocks cannot be allocated."""
+        resumed = req.num_preemptions > 0
+        hit = self.kv.find_cached_prefix(
+            req.request_id, req.all_token_ids, cache_salt=req.cache_salt, preempted=resumed,
+            breakpoints=req.cache_breakpoints, image_spans=req.image_spans)
+        num_new = self._chunk(req, hit.num_tokens, min(req.num_tokens - hit.num_tokens, budget))
+        alloc = self.kv.allocate_slots(
+            req.request_id, req.all_token_ids, hit.num_tokens, num_new, hit=hit,
+            cache_salt=req.cache_salt, priority=req.priority,
+            breakpoints=req.cache_breakpoints, write_limit=req.cache_write_limit,
+            image_spans=req.image_spans, tenant=req.tenant)
+        if alloc is None:
+            return None
+        if self.waiting and self.waiting[0] is req:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(req)
+        out.block_copies.extend(alloc.copies)
+        self._undo[req.request_id] = _Undo(req.status, True, bool(alloc.copies),
+                                           req.num_cached_tokens, req.first_scheduled_time)
+        req.num_computed_tokens = hit.num_tokens
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = hit.num_tokens
+            req.first_scheduled_time = self.clock()
+            self.stats.requests_admitted += 1
+            self.stats.prompt_tokens += req.num_prompt_tokens
+            self.stats.cached_prompt_tokens += hit.num_tokens
+            self.tenants.admitted(req.tenant, req.num_prompt_tokens, hit.num_tokens)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        scheduled.add(req.request_id)
+        out.sequences.append(self._plan(req, num_new, alloc))
+        return num_new
 
     def _chunk(self, req: Request, start: int, num_new: int) -> int:
         """num_new, cut so that the chunk ends at the request's next token-exact breakpoint
@@ -217,6 +374,7 @@ class Scheduler:
         end = start + num_new
         self.stats.computed_prompt_tokens += max(0, min(end, req.num_prompt_tokens) - start)
         self.stats.computed_tokens += num_new
+        self.tenants.charge(req.tenant, num_new)
         req.num_computed_tokens = end
         sample = end == req.num_tokens
         fan_out = req.sampling_params.n if (sample and req.sample_index == 0
@@ -254,6 +412,11 @@ class Scheduler:
     def _pick_victim(self, scheduled: set[str]) -> Request:
         candidates = [r for r in self.running if r.request_id not in scheduled]
         # The request being placed is always a candidate, so this is never empty.
+        if self._fair_step():
+            # From the tenant most over its share: the most computed tokens held per weight.
+            held = self._holding()
+            most = max(held[r.tenant] for r in candidates)
+            candidates = [r for r in candidates if held[r.tenant] == most]
         return max(candidates, key=self._importance)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -294,6 +457,7 @@ class Scheduler:
                 continue
             u = undo.get(seq.request_id)
             self.stats.computed_tokens -= seq.num_tokens
+            self.tenants.charge(req.tenant, -seq.num_tokens)
             self.stats.computed_prompt_tokens -= max(
                 0, min(seq.seq_len, req.num_prompt_tokens) - seq.start_pos)
             # The worker may hold this step's blocks in its row, or no row at all: it gets the
@@ -313,6 +477,7 @@ class Scheduler:
                     self.stats.requests_admitted -= 1
                     self.stats.prompt_tokens -= req.num_prompt_tokens
                     self.stats.cached_prompt_tokens -= seq.start_pos
+                    self.tenants.admitted(req.tenant, -req.num_prompt_tokens, -seq.start_pos)
                 req.num_cached_tokens = u.num_cached_tokens
                 req.first_scheduled_time = u.first_scheduled_time
             else:
@@ -387,6 +552,7 @@ class Scheduler:
             eos_token_ids=parent.eos_token_ids,
             cache_salt=parent.cache_salt,
             priority=parent.priority,
+            tenant=parent.tenant,
             arrival_time=parent.arrival_time,
             sample_index=index,
             image_spans=parent.image_spans,
@@ -399,6 +565,7 @@ class Scheduler:
         self.kv.fork(parent.request_id, child.request_id)
         self.requests[child.request_id] = child
         self.running.append(child)
+        self.tenants.arrived(child.tenant)
         return child
 
     # -------------------------------------------------------------- lifecycle
@@ -413,6 +580,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(request_id)
         self._drop_worker_row(request_id)
+        self.tenants.left(req.tenant)
         req.status = status
         if stop_reason is not None:
             req.stop_reason = stop_reason

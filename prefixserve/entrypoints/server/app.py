@@ -56,7 +56,8 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
         raise TypeError(f"build_app needs an LLMEngine or AsyncLLM, got {type(engine).__name__}")
     model_name = config.served_model_name or async_llm.info.model
     state = ServerState(async_llm=async_llm, config=config, model_name=model_name,
-                        metrics=ServerMetrics(async_llm.stats, model_name),
+                        metrics=ServerMetrics(async_llm.stats, model_name,
+                                              config.keys.tenants if config.keys is not None else frozenset()),
                         explainer=MissExplainer(async_llm.tokenizer.decode,
                                                 max_requests=config.diagnose_max_requests),
                         renderer=RenderPool(async_llm.info.model, max_tokens=async_llm.max_model_len,

@@ -16,8 +16,12 @@ admin key or without keys. Otherwise any tenant could put its requests ahead of 
 tenant's, preempting them, and keep its blocks cached longest.
 
 Keys file (JSON): {"KEY": "tenant", "KEY2": {"tenant": "ops", "admin": true},
-"KEY3": {"tenant": "batch", "max_priority": 10}, ...}. Keys are kept only as SHA-256 digests
-and compared in constant time.
+"KEY3": {"tenant": "batch", "max_priority": 10, "weight": 2, "tokens_per_minute": 60000}, ...}.
+Keys are kept only as SHA-256 digests and compared in constant time.
+
+A tenant's `weight` (1 unless given; every key of one tenant must agree) sets its share of the
+waiting queue, of each engine step and of the cached KV blocks (docs/tenants.md). A key's
+`tokens_per_minute` bounds the prompt and output tokens its requests may spend (rate_limits.py).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from prefixserve.errors import InvalidRequestError
 
 # A single --api-key serves one tenant, who is also the admin.
 DEFAULT_TENANT = "default"
+_ENTRY_FIELDS = {"tenant", "admin", "max_priority", "weight", "tokens_per_minute"}
 MAX_TENANT_NAME = 128
 
 
@@ -42,6 +47,9 @@ class Principal:
     tenant: Optional[str]
     admin: bool
     max_priority: Optional[int] = None
+    tokens_per_minute: Optional[int] = None
+    # Tells keys apart for their rate limits (a prefix of the key's digest; never shown).
+    key_id: Optional[str] = None
 
 
 ANONYMOUS = Principal(None, admin=True)
@@ -59,17 +67,24 @@ def cache_namespace(principal: Principal, salt: Optional[str]) -> Optional[str]:
 class KeyTable:
     """API key digest -> Principal."""
 
-    def __init__(self, keys: Mapping[str, Principal]) -> None:
+    def __init__(self, keys: Mapping[str, Principal],
+                 weights: Optional[Mapping[str, float]] = None) -> None:
         if not keys:
             raise ValueError("an API key table needs at least one key")
         self._by_digest = {_digest(k): p for k, p in keys.items()}
+        self._weights = {t: float((weights or {}).get(t, 1.0)) for t in sorted(self.tenants)}
 
     def __len__(self) -> int:
         return len(self._by_digest)
 
     @property
     def tenants(self) -> frozenset[str]:
-        return frozenset(p.tenant for p in self._by_digest.values())
+        return frozenset(p.tenant for p in self._by_digest.values() if p.tenant is not None)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Each tenant's weight (the engine's tenant_weights)."""
+        return dict(self._weights)
 
     @classmethod
     def single(cls, key: str) -> KeyTable:
@@ -85,13 +100,15 @@ class KeyTable:
         if not isinstance(raw, dict) or not raw:
             raise ValueError(f"{path} must hold a JSON object of API key -> tenant name")
         keys = {}
+        weights: dict[str, float] = {}
         for key, entry in raw.items():
             _check_key(key, f"a key in {path}")
             if isinstance(entry, str):
                 entry = {"tenant": entry}
-            if not isinstance(entry, dict) or set(entry) - {"tenant", "admin", "max_priority"}:
+            if not isinstance(entry, dict) or set(entry) - _ENTRY_FIELDS:
                 raise ValueError(f"{path}: each key maps to a tenant name or {{\"tenant\": NAME, "
-                                 "\"admin\": true|false, \"max_priority\": INT}")
+                                 "\"admin\": true|false, \"max_priority\": INT, \"weight\": NUMBER, "
+                                 "\"tokens_per_minute\": INT}")
             tenant, admin = entry.get("tenant"), entry.get("admin", False)
             if not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_TENANT_NAME or not isinstance(admin, bool):
                 raise ValueError(f"{path}: tenant names are strings of 1-{MAX_TENANT_NAME} characters "
@@ -99,8 +116,17 @@ class KeyTable:
             max_priority = entry.get("max_priority", None if admin else 0)
             if max_priority is not None and (isinstance(max_priority, bool) or not isinstance(max_priority, int)):
                 raise ValueError(f"{path}: max_priority is an integer (or null: any)")
-            keys[key] = Principal(tenant, admin, max_priority)
-        return cls(keys)
+            weight = entry.get("weight", 1)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < 1e9:
+                raise ValueError(f"{path}: tenant {tenant!r}: weight is a positive number")
+            if weights.setdefault(tenant, float(weight)) != weight:
+                raise ValueError(f"{path}: tenant {tenant!r} is given two weights ({weights[tenant]} and "
+                                 f"{weight}); give it one")
+            rate = entry.get("tokens_per_minute")
+            if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int) or rate < 1):
+                raise ValueError(f"{path}: tokens_per_minute is a positive integer (or absent: no limit)")
+            keys[key] = Principal(tenant, admin, max_priority, rate, _digest(key).hex()[:16])
+        return cls(keys, weights)
 
     def lookup(self, key: Optional[str]) -> Optional[Principal]:
         """The key's principal, or None for a missing or unknown key."""

@@ -117,7 +117,8 @@ async def create_cached_content(body: Annotated[CachedContentCreate, Depends(jso
     gen = await submit(state.async_llm, state.config, state.metrics, new_id("cc-prefill"),
                        [token_ids], SamplingParams(temperature=0.0, max_tokens=1),
                        cache_salt=namespace, priority=0, param="messages",
-                       cache_pins=[CachePin(len(token_ids), ttl_s, content=content, tenant=tenant)])
+                       cache_pins=[CachePin(len(token_ids), ttl_s, content=content, tenant=tenant)],
+                       tenant=tenant)
     (output,) = await gen.final_outputs(request)
     result = output.pins[0] if output.pins else None
     if result is not None and result.error is not None:

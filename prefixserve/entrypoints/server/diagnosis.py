@@ -48,18 +48,21 @@ class LiveDiagnosis:
     ask: Optional[DiagnoseAsk]
     cache_salt: Optional[str]
     spans: Optional[list[Span]] = None
+    # whose request it is: the explainer's memory is shared out per tenant
+    tenant: Optional[str] = None
 
     def finish(self, request_id: str, output: RequestOutput) -> Optional[dict[str, Any]]:
         """Remembers a finished request; returns its diagnosis when it was asked for."""
         images = output.image_spans
         if self.ask is None:
-            self.explainer.remember(request_id, output.prompt_token_ids, cache_salt=self.cache_salt, images=images)
+            self.explainer.remember(request_id, output.prompt_token_ids, cache_salt=self.cache_salt,
+                                    images=images, tenant=self.tenant)
             return None
         spans = expanded_spans(self.spans, images) if self.spans and images else self.spans
         return self.explainer.explain(
             request_id, output.prompt_token_ids, cache_salt=self.cache_salt,
             num_cached_tokens=output.num_cached_tokens, spans=spans,
-            diagnose_against=self.ask.against, images=images).to_dict()
+            diagnose_against=self.ask.against, images=images, tenant=self.tenant).to_dict()
 
 
 def with_diagnosis(report: Optional[dict[str, Any]], diagnosis: Any) -> Optional[dict[str, Any]]:

@@ -134,9 +134,11 @@ async def submit(async_llm: AsyncLLM, config: ServerConfig, metrics: ServerMetri
                  prompts: list[list[int]], params: SamplingParams, *, cache_salt: Optional[str],
                  priority: int, param: str, cache_pins: Sequence[CachePin] = (),
                  cache_write_limit: Optional[int] = None, routing_key: Optional[str] = None,
-                 renames: Optional[dict[str, str]] = None, images: Optional[list] = None) -> Generation:
-    """Adds every prompt; if any is refused, aborts the ones already added and raises APIError.
-    images: the decoded pictures of a chat prompt's image parts, in order."""
+                 renames: Optional[dict[str, str]] = None, images: Optional[list] = None,
+                 tenant: Optional[str] = None) -> Generation:
+    """Adds every prompt (for tenant, the caller's: its share of the queue, the steps and the
+    cache); if any is refused, aborts the ones already added and raises APIError (a 429 is
+    counted against tenant). images: the decoded pictures of a chat prompt's image parts, in order."""
     ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
     streams: list[RequestStream] = []
     try:
@@ -147,13 +149,16 @@ async def submit(async_llm: AsyncLLM, config: ServerConfig, metrics: ServerMetri
             streams.append(await async_llm.add_request(
                 rid, request, params, cache_salt=cache_salt, priority=priority,
                 cache_pins=cache_pins, cache_write_limit=cache_write_limit,
-                routing_key=routing_key))
+                routing_key=routing_key, tenant=tenant))
     except BaseException as exc:
         for rid in ids[:len(streams)]:
             async_llm.abort(rid)
         if isinstance(exc, Exception):
-            raise api_error(exc, param=param, retry_after_s=config.retry_after_s,
-                            renames={"prompt": param, "multi_modal_data": param, "multi_modal_data.image": param,
-                                     **(renames or {})}) from exc
+            error = api_error(exc, param=param, retry_after_s=config.retry_after_s,
+                              renames={"prompt": param, "multi_modal_data": param, "multi_modal_data.image": param,
+                                       **(renames or {})})
+            if error.status == 429:
+                metrics.refused(tenant)
+            raise error from exc
         raise
     return Generation(async_llm, ids, streams, [metrics.recorder() for _ in ids], config, param, params.n)

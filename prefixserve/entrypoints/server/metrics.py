@@ -3,6 +3,10 @@
 Engine counters and gauges are read from the engine's latest stats snapshot
 at scrape time by a custom collector; per-request latencies are histograms
 fed as outputs arrive. Everything lives in one CollectorRegistry per app.
+
+Per-tenant series (`prefixserve:tenant_*`, label `tenant`) exist only with a keys file, and
+their label values only ever come from it: a tenant the keys file does not name (none can send
+a request) gets no series, so no request can make the server grow a label.
 """
 from __future__ import annotations
 
@@ -29,9 +33,11 @@ _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 1
 class EngineStatsCollector(Collector):
     """Turns the engine's stats snapshot into metric families on every scrape."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str,
+                 tenants: frozenset[str] = frozenset()) -> None:
         self._stats = stats
         self._model = model_name
+        self._tenants = tenants
 
     def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
         family = CounterMetricFamily(P + name, doc, labels=["model_name"])
@@ -76,6 +82,36 @@ class EngineStatsCollector(Collector):
                           s.weights_bytes)
         if s.kv_stores:
             yield from self._kv_store_families(s.kv_stores)
+        tenants = [t for t in s.tenants if t.tenant in self._tenants]
+        if tenants:
+            yield from self._tenant_families(tenants)
+
+    def _tenant_families(self, tenants) -> Iterator[Metric]:
+        labels = ["model_name", "tenant"]
+        gauges = (("requests_waiting", "The tenant's requests waiting to be scheduled.", "num_waiting"),
+                  ("requests_running", "The tenant's requests in the running batch.", "num_running"))
+        counters = (("tokens_served", "Prompt tokens computed and output tokens generated for the tenant.",
+                     "tokens_served"),
+                    ("prefix_cache_queries", "Prompt tokens of the tenant's admitted requests.", "prompt_tokens"),
+                    ("prefix_cache_hits", "Of those, tokens found in the prefix cache.", "cached_prompt_tokens"),
+                    ("kv_evictions", "The tenant's cached KV blocks evicted (for anyone's miss).", "evictions"))
+        for name, doc, attr in gauges:
+            gauge = GaugeMetricFamily(P + "tenant_" + name, doc, labels=labels)
+            for t in tenants:
+                gauge.add_metric([self._model, t.tenant], getattr(t, attr))
+            yield gauge
+        for name, doc, attr in counters:
+            counter = CounterMetricFamily(P + "tenant_" + name, doc, labels=labels)
+            for t in tenants:
+                counter.add_metric([self._model, t.tenant], getattr(t, attr))
+            yield counter
+        rate = GaugeMetricFamily(P + "tenant_prefix_cache_hit_rate",
+                                 "Share of the tenant's prompt tokens found in the prefix cache (0-1).",
+                                 labels=labels)
+        for t in tenants:
+            rate.add_metric([self._model, t.tenant],
+                            t.cached_prompt_tokens / t.prompt_tokens if t.prompt_tokens else 0.0)
+        yield rate
 
     def _kv_store_families(self, stores) -> Iterator[Metric]:
         """One series per KV store (labelled by its URL without credentials)."""
@@ -103,10 +139,13 @@ class EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str,
+                 tenants: frozenset[str] = frozenset()) -> None:
+        """tenants: the keys file's (the only label values the per-tenant series take)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        self.registry.register(EngineStatsCollector(stats, model_name))
+        self.tenants = tenants
+        self.registry.register(EngineStatsCollector(stats, model_name, tenants))
         labels = ["model_name"]
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.", labels,
                               buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
@@ -117,12 +156,22 @@ class ServerMetrics:
                              buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
         self._success = Counter(P + "request_success", "Finished requests by finish reason.",
                                 labels + ["finished_reason"], registry=self.registry)
+        self._refused = Counter(P + "tenant_requests_refused",
+                                "The tenant's requests answered 429 (its queue share or its key's token rate).",
+                                labels + ["tenant"], registry=self.registry)
+        for tenant in sorted(tenants):
+            self._refused.labels(model_name, tenant)   # every tenant's series from the start, at 0
 
     def recorder(self) -> RequestRecorder:
         return RequestRecorder(self)
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
+
+    def refused(self, tenant: Optional[str]) -> None:
+        """A request of tenant's was answered 429."""
+        if tenant in self.tenants:
+            self._refused.labels(self.model_name, tenant).inc()
 
 
 class RequestRecorder:

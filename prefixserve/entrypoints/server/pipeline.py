@@ -18,7 +18,8 @@ from fastapi import Request
 
 from prefixserve.engine.outputs import RequestOutput
 from prefixserve.entrypoints.server.diagnosis import LiveDiagnosis, diagnose_ask, with_diagnosis
-from prefixserve.entrypoints.server.errors import api_error
+from prefixserve.entrypoints.server.auth import ANONYMOUS, Principal
+from prefixserve.entrypoints.server.errors import APIError, api_error
 from prefixserve.entrypoints.server.generation import Generation, submit
 from prefixserve.entrypoints.server.media import load_images
 from prefixserve.entrypoints.server.prompt_cache_fields import PromptCacheFields
@@ -93,6 +94,8 @@ class Call:
     arrived: float = 0.0
     tenant: Optional[str] = None
     raw_body: Optional[bytes] = None
+    # Whose key sent it: its output tokens are taken from the key's rate limit when it finishes.
+    sender: Principal = ANONYMOUS
 
     @property
     def id(self) -> str:
@@ -106,6 +109,7 @@ class Call:
                 self.state.turns.remember(self.prompt.cache_salt, self.prompt.rendered.text,
                                           self.prompt.token_ids, output, self.state.async_llm.tokenizer,
                                           self.prompt.tenant)
+        self.state.rate_limits.spend(self.sender, sum(len(c.token_ids) for o in outputs for c in o.outputs))
         self.log(outputs)
         return [self.live.finish(rid, out) for rid, out in zip(self.gen.request_ids, outputs)]
 
@@ -189,18 +193,26 @@ async def start(request: Request, ask: GenerationRequest) -> Call:
     else:
         images = None
         prompts = await encode_prompts(state, ask.prompt.prompt)
+    sender = principal(request)
+    try:
+        state.rate_limits.admit(sender, sum(len(p) for p in prompts))
+    except APIError:
+        state.metrics.refused(sender.tenant)
+        raise
     try:
         params = ask.sampling(tools)
     except InvalidRequestError as exc:
         raise api_error(exc, renames=ask.renames) from None
-    live = LiveDiagnosis(state.explainer, wanted, salt, prepared.rendered.spans if prepared else None)
+    live = LiveDiagnosis(state.explainer, wanted, salt, prepared.rendered.spans if prepared else None,
+                         tenant=sender.tenant)
     gen = await submit(state.async_llm, state.config, state.metrics, new_id(ask.id_prefix), prompts, params,
                        cache_salt=salt, priority=priority, param=ask.param, renames=ask.renames,
                        cache_pins=prepared.plan.pins if prepared is not None else (),
                        cache_write_limit=ask.cache.write_limit(
                            prepared.rendered.breakpoints if prepared is not None else ()),
-                       routing_key=ask.cache.routing_key(salt), images=images)
+                       routing_key=ask.cache.routing_key(salt), images=images,
+                       tenant=sender.tenant)
     # The body dependency has read it already: Starlette keeps it on the request.
     raw_body = await request.body() if state.request_log is not None else None
     return Call(state, gen, prepared, live, tools, created=int(time.time()), arrived=arrived,
-                tenant=principal(request).tenant, raw_body=raw_body)
+                tenant=sender.tenant, raw_body=raw_body, sender=sender)

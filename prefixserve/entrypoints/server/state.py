@@ -17,6 +17,7 @@ from prefixserve.entrypoints.server.errors import APIError, bad_request
 from prefixserve.entrypoints.server.metrics import ServerMetrics
 from prefixserve.entrypoints.server.prompting.render_pool import RenderPool
 from prefixserve.entrypoints.server.prompting.turn_memory import TurnMemory
+from prefixserve.entrypoints.server.rate_limits import TokenRateLimiter
 from prefixserve.entrypoints.server.request_log import RequestLog
 from prefixserve.entrypoints.server.response_store import ResponseStore, StoreBounds
 
@@ -40,6 +41,8 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     # Every finished generation request, for `prefixserve lint` (None: --request-log not given).
     request_log: Optional[RequestLog] = None
+    # Per-key token-rate limits (tokens_per_minute in the keys file).
+    rate_limits: TokenRateLimiter = field(default_factory=TokenRateLimiter)
     # Stored /v1/responses responses (None: the default, in this process's memory).
     responses: Optional[ResponseStore] = None
 

@@ -1,0 +1,38 @@
+"""The tenants-flood workload's bookkeeping (the run itself starts servers: docs/benchmarks.md
+keeps one): per-tenant figures from request records, medians over repeats, its CLI entry."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from prefixserve.benchmarks import cli
+from prefixserve.benchmarks.tenants_flood import Record, _median_of, _summary
+
+
+def test_summary_counts_each_tenant_apart():
+    records = [Record("quiet", 200, 0.010, [0.002, 0.004], 100, 90, 2),
+               Record("quiet", 200, 0.030, [0.003], 100, 80, 2),
+               Record("quiet", 429),
+               Record("flood", 200, 0.200, [], 50, 0, 2),
+               Record("flood", 500)]
+    s = _summary("x", records, wall_s=2.0)
+    q, f = s["quiet"], s["flood"]
+    assert (q["sent"], q["done"], q["refused"], q["other_errors"]) == (3, 2, 1, 0)
+    assert q["hit_rate"] == pytest.approx(170 / 200)
+    assert q["ttft_p50_ms"] in (10.0, 30.0) and q["ttft_p99_ms"] == pytest.approx(30.0)
+    assert q["gap_p50_ms"] == pytest.approx(3.0)
+    assert q["served_tok_per_s"] == pytest.approx((200 + 4) / 2.0)
+    assert (f["done"], f["other_errors"], f["served_tok_per_s"]) == (1, 1, pytest.approx(26.0))
+
+
+def test_median_of_repeats_is_taken_field_by_field():
+    runs = [{"run": "a", "x": 1.0, "t": {"y": 5}}, {"run": "a", "x": 9.0, "t": {"y": 1}},
+            {"run": "a", "x": 3.0, "t": {"y": 2}}]
+    assert _median_of(runs) == {"run": "a", "x": 3.0, "t": {"y": 2}}
+
+
+def test_the_bench_cli_runs_it_only_on_its_own():
+    args = argparse.Namespace(workload=["tenants-flood", "system-prompt"], online=None)
+    with pytest.raises(ValueError, match="on its own"):
+        cli.run(args)
