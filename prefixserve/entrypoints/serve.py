@@ -121,8 +121,9 @@ def run(args: argparse.Namespace) -> int:
                                                            args.max_pinned_fraction_per_tenant, server_config.keys)
     # The server bounds the queue itself (and answers 429); the engine stays unbounded behind it.
     # Replicated, each replica bounds its own queue (429 from there) and the front holds none.
+    weights = server_config.keys.weights if server_config.keys is not None else ()
     engine_config = engine_config_from_args(args, max_waiting=None, max_pinned_fraction=args.max_pinned_fraction,
-                                            tenant_weights=server_config.keys.weights if server_config.keys is not None else ())
+                                            tenant_weights=weights)
     say_if_random(engine_config.model, "serving")
     if wants_replicas(args):
         return run_replicated(args, engine_config, server_config)

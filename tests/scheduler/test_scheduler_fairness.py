@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 
 from hypothesis import given, settings, strategies as st
-from test_scheduler_simulated import SimWorker
+from sim_worker import SimWorker
 
 from prefixserve.kv import KVCacheConfig, KVCacheManager
 from prefixserve.sampling_params import SamplingParams
