@@ -389,7 +389,12 @@ def test_messages_stop_sequences_and_errors(server, claude, http):
     assert "max_tokens" in r.json()["error"]["message"]
     r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": [
         {"role": "user", "content": [{"type": "image", "source": {}}]}]})
-    assert r.status_code == 400 and "only text blocks" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "messages[0].content[0].source" in r.json()["error"]["message"]
+    # a well-formed picture, to a model that takes none
+    r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {
+            "type": "base64", "media_type": "image/png", "data": "AA=="}}]}]})
+    assert r.status_code == 400 and "takes no images" in r.json()["error"]["message"]
 
 
 # --------------------------------------------------------- eviction priority
