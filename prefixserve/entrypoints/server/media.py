@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
+import io
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -78,7 +80,17 @@ def _local(url: str, where: str, config: MediaConfig) -> bytes:
     return path.read_bytes()
 
 
-def load_image(source: ImageSource, config: MediaConfig) -> Image.Image:
+@dataclass(frozen=True)
+class LoadedImage:
+    """A decoded picture and what its encoded form was: the request log records the latter (never the
+    bytes), so that the lint can tell the same picture sent in another encoding from another picture."""
+    image: Image.Image
+    format: Optional[str]       # Pillow's name for the encoding: PNG, JPEG, ...
+    encoded_bytes: int
+    encoded_sha256: str         # of the encoded bytes, hex
+
+
+def load_image(source: ImageSource, config: MediaConfig) -> LoadedImage:
     """One image part, fetched or decoded from the body, then decoded to RGB (blocking)."""
     where, media_type = source.where, source.media_type
     if source.data is not None:
@@ -95,10 +107,13 @@ def load_image(source: ImageSource, config: MediaConfig) -> Image.Image:
         else:
             raise InvalidRequestError(f"image URL scheme {scheme!r} is not supported (data:, http(s):, file:)",
                                       param=where)
-    return decode_image(data, param=where, media_type=media_type, max_decoded_pixels=config.max_image_pixels)
+    image = decode_image(data, param=where, media_type=media_type, max_decoded_pixels=config.max_image_pixels)
+    with Image.open(io.BytesIO(data)) as header:   # decode_image's result is converted: no format left
+        encoding = header.format
+    return LoadedImage(image, encoding, len(data), hashlib.sha256(data).hexdigest())
 
 
-async def load_images(sources: Sequence[ImageSource], config: MediaConfig, param: str) -> list[Image.Image]:
+async def load_images(sources: Sequence[ImageSource], config: MediaConfig, param: str) -> list[LoadedImage]:
     """Every image part of a request, decoded on a worker thread; the count is checked first."""
     if config.max_images is not None and len(sources) > config.max_images:
         raise InvalidRequestError(f"{len(sources)} images in one request; at most {config.max_images} allowed "
