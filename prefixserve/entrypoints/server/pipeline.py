@@ -21,7 +21,7 @@ from prefixserve.entrypoints.server.diagnosis import LiveDiagnosis, diagnose_ask
 from prefixserve.entrypoints.server.auth import ANONYMOUS, Principal
 from prefixserve.entrypoints.server.errors import APIError, api_error
 from prefixserve.entrypoints.server.generation import Generation, submit
-from prefixserve.entrypoints.server.media import LoadedImage, load_images
+from prefixserve.entrypoints.server.media import LoadedImage, load_images, pixel_bounds
 from prefixserve.entrypoints.server.prompt_cache_fields import PromptCacheFields
 from prefixserve.entrypoints.server.prompting.bodies import ConversationSource
 from prefixserve.entrypoints.server.prompting.pins import unix_time, warning_headers
@@ -193,8 +193,11 @@ async def start(request: Request, ask: GenerationRequest) -> Call:
                 part = prepared.rendered.images[0].part
                 raise InvalidRequestError(f"{part}: this model takes no images (only text parts)", param=part,
                                           code="unsupported")
+            vision = state.async_llm.info.vision
+            assert vision is not None   # takes_images
+            bounds = [pixel_bounds(source, vision.min_pixels, vision.max_pixels) for source in prepared.rendered.images]
             loaded = await load_images(prepared.rendered.images, state.config.media, ask.param)
-            images = [item.image for item in loaded]
+            images = [item.image if b is None else {"image": item.image, **b} for item, b in zip(loaded, bounds)]
     else:
         images, loaded = None, []
         prompts = await encode_prompts(state, ask.prompt.prompt)
