@@ -203,6 +203,12 @@ def test_detail_low_and_a_pixel_budget_shrink_the_picture(http: httpx.Client) ->
     low_tokens = process_image(image, vision, max_pixels=256 * 28 * 28).num_tokens
     assert low_tokens <= 256 < image_tokens(image)
     assert low.json()["usage"]["prompt_tokens"] == full - image_tokens(image) + low_tokens
+    responses = [http.post("/v1/responses", json={
+        "model": MODEL, "max_output_tokens": 2, "temperature": 0, "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_url(encoded(image)), "detail": detail},
+            {"type": "input_text", "text": "What is it?"}]}]}).json()["usage"]["input_tokens"]
+        for detail in ("auto", "low")]
+    assert responses[0] - responses[1] == image_tokens(image) - low_tokens   # the same on /v1/responses
     budget = chat(http, [sized_part(image, max_pixels=100_000)])
     assert budget.status_code == 200, budget.text
     assert budget.json()["usage"]["prompt_tokens"] == full - image_tokens(image) + process_image(
