@@ -143,11 +143,31 @@ def template_rewrite_log(seed: int = 0) -> list[dict]:
             chat(turns + [assistant(question(rng)), user(question(rng))], tools=TOOLS)]
 
 
+def image(content_hash: str, width: int = 448, height: int = 336, tokens: int = 192, fmt: str = "PNG") -> dict:
+    """An image part as `serve --request-log` records it (request_log.py)."""
+    return {"type": "image", "prefixserve_image": {"hash": content_hash, "width": width, "height": height,
+                                                   "tokens": tokens, "format": fmt, "bytes": 1000,
+                                                   "sha256": content_hash * 2}}
+
+
+def changed_image_log(seed: int = 0) -> list[dict]:
+    """The same question about another picture each time (one of them the first one resized)."""
+    rng = random.Random(seed)
+    ask = question(rng)
+    pictures = [image("%032x" % 1), image("%032x" % 2), image("%032x" % 3, 224, 168, 48)]
+    return [chat([sys(STABLE), {"role": "user", "content": [picture, {"type": "text", "text": ask}]}])
+            for picture in pictures]
+
+
+# The model whose tokenizer a rule's log is linted with, where not random:qwen3-tiny's.
+RULE_MODELS = {"changed-image": "random:qwen2.5-vl-tiny"}
+
 RULE_LOGS = {"dynamic-system": dynamic_system_log, "history-rewrite": history_rewrite_log,
              "history-truncation": history_truncation_log, "reserialized-json": reserialized_json_log,
              "template-rewrite": template_rewrite_log,
              "tool-order": tool_order_log, "whitespace-drift": whitespace_drift_log,
-             "short-prefix": short_prefix_log, "volatile-prefix": volatile_prefix_log}
+             "short-prefix": short_prefix_log, "volatile-prefix": volatile_prefix_log,
+             "changed-image": changed_image_log}
 
 
 def write_log(path: Path, records: list[dict]) -> Path:

@@ -245,7 +245,7 @@ def lint(records: list[LogRecord], renderer: Renderer, *, block_size: int = 16,
         if earlier_id is not None:
             earlier = by_id[earlier_id]
             divergences[req.request_id] = describe_divergence(
-                req.token_ids, index.get(earlier_id).token_ids, lcp, renderer.tokenizer.decode,
+                req.token_ids, index.get(earlier_id).token_ids, lcp, renderer.decode,
                 req.span_at, lambda p, e=earlier: _earlier_part(e, p), earlier_id)
             own = conversations.closest(req.record)
             for eid in dict.fromkeys(e for e in (earlier_id, own) if e is not None):

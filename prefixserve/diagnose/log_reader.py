@@ -25,6 +25,11 @@ the first (system) message; its `tool_use` blocks an assistant's `tool_calls` an
 `tool_result` blocks `tool` messages (prefixserve.prompt.tool_blocks, the server's own
 conversion); a tool given with `input_schema` becomes an OpenAI function tool; content given
 as text parts is their texts joined by newlines; `cache_control` marks are dropped.
+An image part as `prefixserve serve --request-log` writes it ({"type": "image", "prefixserve_image":
+{"hash", "width", "height", "tokens", "format", "bytes", "sha256"}}, request_log.py) renders as the
+server rendered the picture (Qwen2-VL's placeholder, expanded to its tokens by render.py) and its
+tokens are keyed by its content hash; an image part as a client sent it (no record of its tokens)
+cannot be linted.
 `prefixserve serve --request-log PATH` writes wrapper records.
 A completion body whose prompt is a list of strings becomes one request per string
 (ids "<id>#0", "<id>#1", ...).
@@ -38,11 +43,24 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from prefixserve.errors import InvalidRequestError
+from prefixserve.prompt.conversation import IMAGE_PLACEHOLDER
 from prefixserve.prompt.tool_blocks import has_tool_blocks, tool_turns
 
 
 class LogFormatError(ValueError):
     """A log line that is not a request this module understands; the message names the line."""
+
+
+@dataclass(frozen=True)
+class LoggedImage:
+    """One picture of a logged request, as the server recorded it (request_log.py)."""
+    content_hash: str          # hex: what the cache keys the picture's blocks by
+    tokens: int                # its tokens in the prompt
+    width: int                 # as decoded
+    height: int
+    format: Optional[str]      # its encoding (PNG, JPEG, ...)
+    sha256: Optional[str]      # of its encoded bytes
+    where: str                 # the part holding it: messages[i].content[j]
 
 
 @dataclass
@@ -59,6 +77,7 @@ class LogRecord:
     output_text: Optional[str] = None
     output_tokens: Optional[int] = None
     model: Optional[str] = None
+    images: tuple[LoggedImage, ...] = ()        # in prompt order
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):
@@ -133,12 +152,13 @@ def parse_record(obj: Any, line: int, where: str = "") -> list[LogRecord]:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise LogFormatError(f"{where}: chat_template_kwargs must be an object")
-        messages = _messages(body["messages"], where)
+        images: list[LoggedImage] = []
+        messages = _messages(body["messages"], where, images)
         if body.get("system") is not None:
             messages = [_system_message(body["system"], where), *messages]
         return [LogRecord(request_id=request_id, messages=messages,
                           tools=_tools(body.get("tools"), where),
-                          chat_template_kwargs=dict(kwargs), **common)]
+                          chat_template_kwargs=dict(kwargs), images=tuple(images), **common)]
     if "prompt" in body:
         prompt = body["prompt"]
         if isinstance(prompt, str):
@@ -157,7 +177,7 @@ def parse_record(obj: Any, line: int, where: str = "") -> list[LogRecord]:
                          "(completion) found in the request body")
 
 
-def _messages(value: Any, where: str) -> list[dict]:
+def _messages(value: Any, where: str, images: list[LoggedImage]) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise LogFormatError(f"{where}: 'messages' must be a non-empty list")
     out = []
@@ -174,11 +194,31 @@ def _messages(value: Any, where: str) -> list[dict]:
         # as the server builds a message: no marks, no null fields
         msg = {k: v for k, v in msg.items() if v is not None and k != "cache_control"}
         if isinstance(content, list):
-            msg["content"] = _text_of_parts(content, f"{where}: messages[{i}].content")
+            msg["content"] = _text_of_parts(content, f"{where}: messages[{i}].content", images,
+                                            f"messages[{i}].content")
         elif content is not None and not isinstance(content, str):
             raise LogFormatError(f"{where}: messages[{i}].content must be a string or a list of parts")
         out.append(msg)
     return out
+
+
+def _logged_image(value: Any, where: str, part: str) -> LoggedImage:
+    if not isinstance(value, dict):
+        raise LogFormatError(f"{where}.prefixserve_image must be an object")
+    digest, tokens = value.get("hash"), value.get("tokens")
+    if not isinstance(digest, str) or len(digest) != 32:
+        raise LogFormatError(f"{where}.prefixserve_image.hash must be 32 hex digits, got {digest!r}")
+    try:
+        bytes.fromhex(digest)
+    except ValueError:
+        raise LogFormatError(f"{where}.prefixserve_image.hash must be 32 hex digits, got {digest!r}") from None
+    for key in ("tokens", "width", "height"):
+        v = value.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise LogFormatError(f"{where}.prefixserve_image.{key} must be a positive int, got {v!r}")
+    fmt, sha = value.get("format"), value.get("sha256")
+    return LoggedImage(digest, tokens, value["width"], value["height"],
+                       fmt if isinstance(fmt, str) else None, sha if isinstance(sha, str) else None, part)
 
 
 def _system_message(value: Any, where: str) -> dict:
@@ -190,9 +230,18 @@ def _system_message(value: Any, where: str) -> dict:
     return {"role": "system", "content": value}
 
 
-def _text_of_parts(parts: list, where: str) -> str:
+def _text_of_parts(parts: list, where: str, images: Optional[list[LoggedImage]] = None,
+                   field_name: str = "") -> str:
     texts = []
     for j, part in enumerate(parts):
+        if images is not None and isinstance(part, dict) and part.get("type") == "image" \
+                and "prefixserve_image" in part:
+            images.append(_logged_image(part["prefixserve_image"], f"{where}[{j}]", f"{field_name}[{j}]"))
+            texts.append(IMAGE_PLACEHOLDER)
+            continue
+        if isinstance(part, dict) and part.get("type") in ("image_url", "image", "input_image"):
+            raise LogFormatError(f"{where}[{j}]: an image part as the client sent it; only a log written "
+                                 "by `prefixserve serve --request-log` records what the picture was")
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
                 part.get("text"), str):
             raise LogFormatError(f"{where}[{j}]: only text parts are supported, got {part!r:.80}")

@@ -2,17 +2,49 @@
 saying which token range belongs to the tools, the system prompt, each history message, the
 new turn and the generation prompt. Chat requests render through prefixserve.prompt, the
 server's own renderer, so a span here is the span the server reports live.
+
+A picture is in the prompt as the engine ran it: its tokens, as many as the log recorded, each keyed
+by the picture's content hash (image_key: an id past every vocabulary's, equal only for the same
+picture at the same token of it). Two requests that differ only in a picture then diverge at its first
+token, and the lint's cache replay forks where the engine's, whose blocks carry the picture's hash.
 """
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
 
-from prefixserve.diagnose.log_reader import LogRecord
+from prefixserve.diagnose.log_reader import LoggedImage, LogRecord
 from prefixserve.prompt import PROMPT, Conversation, PromptRenderer, Span
 
 _MAX_REMEMBERED = 65536
+# keyed image tokens are IMAGE_KEY_BASE and above (no tokenizer has 2**31 tokens); still u32, as the
+# kv code hashes token ids
+IMAGE_KEY_BASE = 2**31
+IMAGE_TEXT = "<image>"
+IMAGE_PAD = "<|image_pad|>"
+
+
+def image_key(content_hash: str, index: int) -> int:
+    """The key of token `index` of the picture with this content hash."""
+    digest = hashlib.blake2b(bytes.fromhex(content_hash) + index.to_bytes(4, "little"), digest_size=4)
+    return IMAGE_KEY_BASE | (int.from_bytes(digest.digest(), "little") & (IMAGE_KEY_BASE - 1))
+
+
+def is_image_key(token: int) -> bool:
+    return token >= IMAGE_KEY_BASE
+
+
+@dataclass(frozen=True)
+class PlacedImage:
+    image: LoggedImage
+    start: int                 # its first token in the rendered prompt
+
+    @property
+    def end(self) -> int:
+        return self.start + self.image.tokens
 
 
 @dataclass
@@ -22,6 +54,7 @@ class RenderedRequest:
     text: Optional[str]                    # None for a completion given as token ids
     spans: list[Span]
     output_token_ids: list[int]
+    images: list[PlacedImage] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -44,6 +77,12 @@ class RenderedRequest:
                 return span
         return None
 
+    def image_at(self, position: int) -> Optional[PlacedImage]:
+        for placed in self.images:
+            if placed.start <= position < placed.end:
+                return placed
+        return None
+
 
 class Renderer:
     """Turns LogRecords into RenderedRequests with one tokenizer (a prefixserve Tokenizer)."""
@@ -63,7 +102,7 @@ class Renderer:
             if not record.is_chat:
                 ids = self._prompt_ids(record)
             else:
-                ids = self._render_chat(record).token_ids
+                ids = self._expand(record, self._render_chat(record).token_ids)[0]
             self._remember(record, ids)
         return list(ids)
 
@@ -89,8 +128,36 @@ class Renderer:
             text = record.prompt if isinstance(record.prompt, str) else None
             return RenderedRequest(record, ids, text, [Span(PROMPT, 0, len(ids))], outputs)
         rendered = self._render_chat(record)
-        self._remember(record, rendered.token_ids)
-        return RenderedRequest(record, rendered.token_ids, rendered.text, rendered.spans, outputs)
+        ids, placed = self._expand(record, rendered.token_ids)
+        self._remember(record, ids)
+        return RenderedRequest(record, ids, rendered.text, _moved(rendered.spans, placed), outputs, placed)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The tokenizer's text, with a picture's run of tokens shown as IMAGE_TEXT."""
+        out = []
+        for image, run in itertools.groupby(ids, key=is_image_key):
+            out.append(IMAGE_TEXT if image else self.tokenizer.decode(list(run),
+                                                                      skip_special_tokens=skip_special_tokens))
+        return "".join(out)
+
+    def _expand(self, record: LogRecord, ids: list[int]) -> tuple[list[int], list[PlacedImage]]:
+        """Each picture's one placeholder token expanded to its keyed tokens, as the engine expands it."""
+        if not record.images:
+            return ids, []
+        pad = self.tokenizer.token_to_id(IMAGE_PAD)
+        at = [i for i, t in enumerate(ids) if t == pad]
+        if pad is None or len(at) != len(record.images):
+            raise ValueError(f"request {record.request_id}: {len(record.images)} pictures, but the prompt "
+                             f"renders {len(at)} {IMAGE_PAD} tokens (a log of another model?)")
+        out: list[int] = []
+        placed = []
+        previous = 0
+        for position, image in zip(at, record.images):
+            out += ids[previous:position]
+            placed.append(PlacedImage(image, len(out)))
+            out += [image_key(image.content_hash, k) for k in range(image.tokens)]
+            previous = position + 1
+        return out + ids[previous:], placed
 
     def _render_chat(self, record: LogRecord):
         renderer = self._chat_renderer(record.chat_template_kwargs)
@@ -117,10 +184,22 @@ class Renderer:
         return []
 
 
+def _moved(spans: list[Span], placed: list[PlacedImage]) -> list[Span]:
+    """Spans of the prompt with one placeholder per picture, moved onto the expanded prompt."""
+    if not placed:
+        return spans
+    grown = [(p.start - sum(q.image.tokens - 1 for q in placed[:k]), p.image.tokens - 1)
+             for k, p in enumerate(placed)]   # (placeholder's position before expanding, tokens added)
+
+    def moved(position: int) -> int:
+        return position + sum(extra for at, extra in grown if at < position)
+    return [replace(span, start=moved(span.start), end=moved(span.end)) for span in spans]
+
+
 def _content_key(record: LogRecord) -> str:
     # Key order kept (no sort_keys): reordered tool keys render differently.
-    return json.dumps([record.messages, record.tools, record.prompt, record.chat_template_kwargs],
-                      default=repr)
+    return json.dumps([record.messages, record.tools, record.prompt, record.chat_template_kwargs,
+                       [(i.content_hash, i.tokens) for i in record.images]], default=repr)
 
 
 def load_renderer(model: str) -> Renderer:

@@ -122,7 +122,7 @@ class LLMEngine:
             max_model_len=self.max_model_len, num_kv_blocks=num_blocks,
             enable_prefix_caching=config.enable_prefix_caching, kernels=self.runner.kernels,
             kv_store_scope=self.kv_store_scope or "", kv_layout=self.runner.kv_layout,
-            takes_images=self.model_config.vision is not None)
+            takes_images=self.model_config.vision is not None, vision=self.model_config.vision)
         logger.info("dtype %s (%s), KV pool in %s", self.info.dtype, self.info.dtype_reason, self.info.kv_layout)
 
     def _default_num_blocks(self) -> int:

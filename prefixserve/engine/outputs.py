@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from prefixserve.engine.cached_contents import CachedContent
+    from prefixserve.model.vision_config import VisionConfig
 
 
 @dataclass
@@ -85,6 +86,9 @@ class EngineInfo:
     kv_layout: str = "rows"
     # whether prompts may carry images (a vision-language model)
     takes_images: bool = False
+    # its image settings (model/vision_config.py), so that a front over replicas hashes and places a
+    # prompt's images as the engines will (replicas/front.py); None for a text model
+    vision: Optional[VisionConfig] = None
 
 
 @dataclass

@@ -62,6 +62,12 @@ class ImageSource:
     url: Optional[str] = None
     data: Optional[str] = None          # base64
     media_type: Optional[str] = None
+    # what the request asks of its resizing (media.pixel_bounds checks them against the model's): OpenAI's
+    # detail ("low", "high", "auto") and prefixserve's min_pixels / max_pixels, named under `options_at`
+    detail: Optional[str] = None
+    min_pixels: Optional[int] = None
+    max_pixels: Optional[int] = None
+    options_at: str = ""
 
 
 @dataclass

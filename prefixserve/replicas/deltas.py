@@ -60,8 +60,9 @@ class DeltaDecoder:
     """On the front: the deltas of one request back into cumulative RequestOutputs."""
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
-                 cache_salt: Optional[str]) -> None:
+                 cache_salt: Optional[str], image_spans: tuple = ()) -> None:
         self.request_id = request_id
+        self.image_spans = image_spans   # the front computed them: not sent back
         self.prompt_token_ids = list(prompt_token_ids)
         self.cache_salt = cache_salt
         self._samples: dict[int, CompletionOutput] = {}
@@ -93,4 +94,4 @@ class DeltaDecoder:
                              prompt_token_ids=self.prompt_token_ids,
                              num_cached_tokens=num_cached, outputs=outputs, finished=finished,
                              metrics=self._metrics, cache_salt=self.cache_salt, error=error,
-                             pins=list(self._pins))
+                             pins=list(self._pins), image_spans=self.image_spans)

@@ -64,10 +64,15 @@ class EngineReplica:
                        cache_pins: Sequence[CachePin] = (),
                        cache_write_limit: Optional[int] = None,
                        routing_key: Optional[str] = None,
-                       tenant: Optional[str] = None) -> AsyncIterator:
-        # routing_key was read by the router (router.py) before this replica was chosen
+                       tenant: Optional[str] = None, images: Optional[list] = None,
+                       image_spans: tuple = ()) -> AsyncIterator:
+        # routing_key and image_spans were read by the router (router.py) before this replica was
+        # chosen; images (PIL images or encoded bytes) are processed here to the hashes it routed by
         self._ensure_publisher()
-        stream = await self.llm.add_request(request_id, {"prompt_token_ids": list(token_ids)},
+        prompt: dict = {"prompt_token_ids": list(token_ids)}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        stream = await self.llm.add_request(request_id, prompt,
                                             params, cache_salt=cache_salt, priority=priority,
                                             cache_pins=cache_pins,
                                             cache_write_limit=cache_write_limit, tenant=tenant)

@@ -6,7 +6,12 @@ router.py) picks the replica. A request whose replica dies before it streamed an
 retried once (the router routes it afresh, and Ray Serve no longer offers the dead replica);
 one that already streamed ends with EngineError. Whole-service calls (reset) go to every
 replica the hub knows. Pins by id and the KV event feed live in one engine and are refused
-here. A cached content is created on the replica the router picks for its tokens, and the
+here. A prompt's images are decoded, resized and hashed here, off the event loop, as the engines
+will (multimodal/prompt.py with the replicas' vision settings, EngineInfo.vision): the router hashes
+the expanded prompt with each image's content hash in the blocks it overlaps, running no image code,
+and the chosen replica is handed the images as they came (decoded PIL images from the server, within
+its --max-image-bytes / --max-image-pixels caps, or encoded bytes), which it processes to the same
+hashes. A cached content is created on the replica the router picks for its tokens, and the
 front's directory (contents.py) sends its get, re-pin and delete there, and creates it again
 where the router now picks when that replica is gone.
 """
@@ -26,6 +31,7 @@ from ray.exceptions import RayError, RayTaskError
 from prefixserve.engine import CachedContent, CachePin, EngineInfo, EngineStats, PinInfo, RequestOutput
 from prefixserve.engine.client import until_finished
 from prefixserve.errors import EngineError, InvalidRequestError, NotFoundError, PrefixServeError
+from prefixserve.multimodal.prompt import expand_prompt, prepare_images
 from prefixserve.replicas.contents import ContentDirectory, Placement
 from prefixserve.replicas.deltas import DeltaDecoder
 from prefixserve.replicas.deployment import ACCEPTED
@@ -179,14 +185,15 @@ class ReplicatedLLM:
                           cache_write_limit: Optional[int] = None,
                           routing_key: Optional[str] = None,
                           tenant: Optional[str] = None) -> ReplicaStream:
-        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
-            # the replicas are handed token ids only: an image would be dropped, its placeholder read as text
-            raise InvalidRequestError("images are not served under --replicas yet", param="multi_modal_data",
-                                      code="not_supported")
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             token_ids = list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict):
+            token_ids = self.tokenizer.encode(prompt.get("prompt", ""), add_special_tokens=True)
         else:
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        images, image_spans = None, ()
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            token_ids, images, image_spans = await self._images(token_ids, prompt["multi_modal_data"])
         # A content's name and its tenant's count are taken here, before any await, so two
         # creates racing to different replicas cannot both have them.
         self._contents.expire(self.now())
@@ -197,7 +204,8 @@ class ReplicatedLLM:
                     self._contents.reserve(pin.content)
                     creating.append((i, pin.content))
             stream = await self._send(request_id, token_ids, params, cache_salt, priority,
-                                      cache_pins, cache_write_limit, routing_key, tenant)
+                                      cache_pins, cache_write_limit, routing_key, tenant,
+                                      images=images, image_spans=image_spans)
         except BaseException:
             for _, content in creating:
                 self._contents.release(content)
@@ -205,6 +213,20 @@ class ReplicatedLLM:
         if creating:
             stream.on_final = lambda out: self._created(creating, stream.replica, out)
         return stream
+
+    async def _images(self, token_ids: list[int], data) -> tuple[list[int], list, tuple]:
+        """(the prompt expanded to its images' tokens, the images to forward, their spans)."""
+        param = "multi_modal_data"
+        vision = self.info.vision
+        if vision is None:
+            raise InvalidRequestError("this model takes no images", param=param)
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise InvalidRequestError("multi_modal_data must be a dict with an 'image' entry", param=param)
+        images = data.get("image")
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        prepared = await asyncio.to_thread(prepare_images, images, vision, param=f"{param}.image")
+        expanded, multimodal = expand_prompt(token_ids, prepared, vision, param=f"{param}.image")
+        return expanded, images, multimodal.image_spans
 
     def _created(self, creating: list[tuple[int, CachedContent]], replica: str,
                  output: Optional[RequestOutput]) -> None:
@@ -218,13 +240,16 @@ class ReplicatedLLM:
     async def _send(self, request_id: str, token_ids: list[int], params: SamplingParams,
                     cache_salt: Optional[str], priority: int,
                     cache_pins: Sequence[CachePin], cache_write_limit: Optional[int] = None,
-                    routing_key: Optional[str] = None, tenant: Optional[str] = None) -> ReplicaStream:
+                    routing_key: Optional[str] = None, tenant: Optional[str] = None,
+                    images: Optional[list] = None, image_spans: tuple = ()) -> ReplicaStream:
         for attempt in (0, 1):
+            # image_spans are the router's (router.py), images the replica's
             response = self._gen.remote(request_id=request_id, token_ids=token_ids, params=params,
                                         cache_salt=cache_salt, priority=priority,
                                         cache_pins=tuple(cache_pins),
                                         cache_write_limit=cache_write_limit,
-                                        routing_key=routing_key, tenant=tenant)
+                                        routing_key=routing_key, tenant=tenant,
+                                        images=images, image_spans=image_spans)
             try:
                 marker = await response.__anext__()
             except Exception as exc:
@@ -241,7 +266,7 @@ class ReplicatedLLM:
                                   "stopped") from None
             assert marker[0] == ACCEPTED
             stream = ReplicaStream(request_id, response, marker[1], self._forget_stream,
-                                   DeltaDecoder(request_id, token_ids, cache_salt))
+                                   DeltaDecoder(request_id, token_ids, cache_salt, image_spans))
             self._streams[request_id] = stream
             return stream
         raise AssertionError("unreachable")

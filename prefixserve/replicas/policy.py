@@ -33,7 +33,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import xxhash
 
-from prefixserve.kv.hashing import BlockHash
+from prefixserve.kv.hashing import BlockHash, ImageSpan
 from prefixserve.replicas.index import BlockIndex, ReplicaKey
 
 ROUTERS = ("prefix-aware", "round-robin", "least-loaded")
@@ -217,8 +217,12 @@ def _decide(replica: ReplicaKey, reason: str, pool_depth: int, store_depth: int)
 
 
 def routing_chain(hasher, token_ids: Sequence[int], block_size: int,
-                  cache_salt: Optional[str]) -> list[BlockHash]:
-    """The request's block-hash chain as its engine computes it: full blocks, salt in block 0.
-    The engine never looks up the block holding the last prompt token, so neither do we."""
+                  cache_salt: Optional[str], image_spans: Sequence[ImageSpan] = ()) -> list[BlockHash]:
+    """The request's block-hash chain as its engine computes it: full blocks, salt in block 0, each
+    block an image overlaps keyed by the image's content hash (token_ids expanded, image_spans as the
+    engine's: multimodal/prompt.py). The engine never looks up the block holding the last prompt
+    token, so neither do we."""
     usable = (len(token_ids) - 1) // block_size * block_size if token_ids else 0
-    return hasher.hash_prompt(list(token_ids[:usable]), block_size, cache_salt=cache_salt)
+    # an image past the last hashed block keys nothing; one cut by it keys the blocks it overlaps
+    return hasher.hash_prompt(list(token_ids[:usable]), block_size, cache_salt=cache_salt,
+                              image_spans=image_spans)

@@ -2,8 +2,9 @@
 
 Plugged into Ray Serve through its request-router interface (the deployment's
 `RequestRouterConfig`), so it runs inside every process that holds a handle to the replicas.
-For `generate` calls it hashes the request's token ids with the replicas' hasher and salt and
-asks the RoutingPolicy; calls that name `target_replica` (reset, identify) go to that replica
+For `generate` calls it hashes the request's token ids with the replicas' hasher and salt (and a
+prompt's image spans, which the front computed: the router runs no image code) and asks the
+RoutingPolicy; calls that name `target_replica` (reset, identify) go to that replica
 only. Loads are the requests this router has in flight on each replica. The index follows the
 hub's KV events; a replica that Ray Serve reports dead or removed is forgotten at once.
 With a KV store every replica shares (Redis), the router asks it, in one batched call per
@@ -137,7 +138,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         if pending_request is not None and pending_request.metadata.call_method == "generate" \
                 and self.hasher is not None:
             chain = routing_chain(self.hasher, kwargs["token_ids"], self.block_size,
-                                  kwargs.get("cache_salt"))
+                                  kwargs.get("cache_salt"), kwargs.get("image_spans") or ())
             decision = self.policy.choose(ids, loads, chain, await self._store_depth(chain),
                                           routing_key=kwargs.get("routing_key"))
             self.reasons[decision.reason] += 1

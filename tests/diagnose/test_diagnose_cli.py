@@ -93,7 +93,8 @@ def test_lint_on_the_generated_agent_log_finds_every_pattern(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_agent_log.py"), str(path)],
                    check=True, capture_output=True)
     report = lint(read_log(path), load_renderer("random:qwen3-tiny"))
-    assert sorted(report.fired()) == sorted(RULE_IDS)
+    # every rule but changed-image: a text model's log has no pictures
+    assert sorted(report.fired()) == sorted(set(RULE_IDS) - {"changed-image"})
     assert report.fixed_hit_rate > report.hit_rate
     # The control tenant follows the guide: no rule fires on it.
     assert not [f for r in report.requests if r.cache_salt == "wayne" for f in r.findings]

@@ -56,7 +56,10 @@ def test_timestamps_order_the_log_when_all_present(tmp_path):
     ('{"messages": []}', "non-empty list"),
     ('{"prompt": "x", "cache_salt": ""}', "cache_salt"),
     ('{"prompt": [1, -2]}', "token ids"),
-    ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "only text parts"),
+    ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "an image part as the client sent"),
+    ('{"messages": [{"role": "user", "content": [{"type": "image", "prefixserve_image": {"hash": "ab"}}]}]}',
+     "prefixserve_image.hash must be 32 hex"),
+    ('{"messages": [{"role": "user", "content": [{"type": "audio"}]}]}', "only text parts"),
     ('{"prompt": "x", "timestamp": "yesterday"}', "timestamp"),
 ])
 def test_bad_lines_name_the_line_and_problem(tmp_path, line, message):

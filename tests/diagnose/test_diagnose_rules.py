@@ -5,12 +5,17 @@ import pytest
 
 from prefixserve.diagnose import lint, load_renderer, read_log
 from prefixserve.diagnose.rules import RULE_IDS
-from diagnose_logs import RULE_LOGS, clean_log, write_log
+from diagnose_logs import RULE_LOGS, RULE_MODELS, clean_log, write_log
 
 
 @pytest.fixture(scope="module")
-def renderer():
-    return load_renderer("random:qwen3-tiny")
+def renderers():
+    return {model: load_renderer(model) for model in {"random:qwen3-tiny", *RULE_MODELS.values()}}
+
+
+@pytest.fixture(scope="module")
+def renderer(renderers):
+    return renderers["random:qwen3-tiny"]
 
 
 def run(tmp_path, renderer, records):
@@ -31,8 +36,8 @@ def test_clean_log_fires_nothing(tmp_path, renderer):
 
 
 @pytest.mark.parametrize("rule", RULE_IDS)
-def test_rule_fires_on_its_pattern_only(tmp_path, renderer, rule):
-    report = run(tmp_path, renderer, RULE_LOGS[rule]())
+def test_rule_fires_on_its_pattern_only(tmp_path, renderers, rule):
+    report = run(tmp_path, renderers[RULE_MODELS.get(rule, "random:qwen3-tiny")], RULE_LOGS[rule]())
     assert report.fired() == [rule]
     summary = next(s for s in report.rules if s.rule == rule)
     assert summary.requests, rule
@@ -44,6 +49,10 @@ def test_rule_fires_on_its_pattern_only(tmp_path, renderer, rule):
         # Only whole blocks are reused: the shared preamble is below one block, nothing hits.
         assert all(0 < f.tokens_lost < 16 for f in summary.findings)
         assert all(r.reusable_tokens == 0 for r in report.requests if r.request_id in summary.requests)
+    elif rule == "changed-image":
+        # The picture is the request's content: no rewrite of the log sends another one.
+        assert report.fixed_reusable_tokens == report.reusable_tokens
+        assert summary.tokens_lost > 0
     else:
         # The suggested fix recovers reuse the log lost, and the loss is credited to the rule.
         assert report.fixed_hit_rate > report.hit_rate

@@ -1,5 +1,6 @@
 """Cache-miss rules: one file per rule; RULES lists them in reporting order."""
 from prefixserve.diagnose.rules.base import Finding, Pair, Rule
+from prefixserve.diagnose.rules.changed_image import ChangedImage
 from prefixserve.diagnose.rules.dynamic_system import DynamicSystem
 from prefixserve.diagnose.rules.history_rewrite import HistoryRewrite
 from prefixserve.diagnose.rules.history_truncation import HistoryTruncation
@@ -12,7 +13,7 @@ from prefixserve.diagnose.rules.whitespace_drift import WhitespaceDrift
 
 RULES: tuple[Rule, ...] = (DynamicSystem(), HistoryRewrite(), HistoryTruncation(), ReserializedJson(),
                            TemplateRewrite(), ToolOrder(), WhitespaceDrift(), ShortPrefix(),
-                           VolatilePrefix())
+                           VolatilePrefix(), ChangedImage())
 RULE_IDS: tuple[str, ...] = tuple(rule.id for rule in RULES)
 RULES_BY_ID: dict[str, Rule] = {rule.id: rule for rule in RULES}
 

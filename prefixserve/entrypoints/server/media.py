@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
+import io
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -78,7 +80,17 @@ def _local(url: str, where: str, config: MediaConfig) -> bytes:
     return path.read_bytes()
 
 
-def load_image(source: ImageSource, config: MediaConfig) -> Image.Image:
+@dataclass(frozen=True)
+class LoadedImage:
+    """A decoded picture and what its encoded form was: the request log records the latter (never the
+    bytes), so that the lint can tell the same picture sent in another encoding from another picture."""
+    image: Image.Image
+    format: Optional[str]       # Pillow's name for the encoding: PNG, JPEG, ...
+    encoded_bytes: int
+    encoded_sha256: str         # of the encoded bytes, hex
+
+
+def load_image(source: ImageSource, config: MediaConfig) -> LoadedImage:
     """One image part, fetched or decoded from the body, then decoded to RGB (blocking)."""
     where, media_type = source.where, source.media_type
     if source.data is not None:
@@ -95,10 +107,35 @@ def load_image(source: ImageSource, config: MediaConfig) -> Image.Image:
         else:
             raise InvalidRequestError(f"image URL scheme {scheme!r} is not supported (data:, http(s):, file:)",
                                       param=where)
-    return decode_image(data, param=where, media_type=media_type, max_decoded_pixels=config.max_image_pixels)
+    image = decode_image(data, param=where, media_type=media_type, max_decoded_pixels=config.max_image_pixels)
+    with Image.open(io.BytesIO(data)) as header:   # decode_image's result is converted: no format left
+        encoding = header.format
+    return LoadedImage(image, encoding, len(data), hashlib.sha256(data).hexdigest())
 
 
-async def load_images(sources: Sequence[ImageSource], config: MediaConfig, param: str) -> list[Image.Image]:
+# OpenAI's detail "low": at most 256 image tokens of 28x28 pixels (Qwen2-VL's own suggestion of a small
+# budget); "high" and "auto" leave the model's bounds
+LOW_DETAIL_PIXELS = 256 * 28 * 28
+
+
+def pixel_bounds(source: ImageSource, model_min: int, model_max: int) -> Optional[dict[str, int]]:
+    """The resizing bounds an image part asks for, as multi_modal_data takes them per image (None: the
+    model's own). A request may narrow the model's bounds [model_min, model_max], never widen them."""
+    if source.min_pixels is None and source.max_pixels is None and source.detail != "low":
+        return None
+    for name, value in (("min_pixels", source.min_pixels), ("max_pixels", source.max_pixels)):
+        if value is not None and not model_min <= value <= model_max:
+            raise InvalidRequestError(f"{name} {value} is outside the server's bounds [{model_min}, {model_max}]",
+                                      param=f"{source.options_at}.{name}")
+    lo = source.min_pixels if source.min_pixels is not None else model_min
+    hi = source.max_pixels if source.max_pixels is not None else (
+        max(model_min, min(LOW_DETAIL_PIXELS, model_max)) if source.detail == "low" else model_max)
+    if lo > hi:
+        raise InvalidRequestError(f"min_pixels {lo} is above max_pixels {hi}", param=f"{source.options_at}.min_pixels")
+    return {"min_pixels": lo, "max_pixels": hi}
+
+
+async def load_images(sources: Sequence[ImageSource], config: MediaConfig, param: str) -> list[LoadedImage]:
     """Every image part of a request, decoded on a worker thread; the count is checked first."""
     if config.max_images is not None and len(sources) > config.max_images:
         raise InvalidRequestError(f"{len(sources)} images in one request; at most {config.max_images} allowed "

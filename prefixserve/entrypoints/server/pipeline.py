@@ -21,12 +21,12 @@ from prefixserve.entrypoints.server.diagnosis import LiveDiagnosis, diagnose_ask
 from prefixserve.entrypoints.server.auth import ANONYMOUS, Principal
 from prefixserve.entrypoints.server.errors import APIError, api_error
 from prefixserve.entrypoints.server.generation import Generation, submit
-from prefixserve.entrypoints.server.media import load_images
+from prefixserve.entrypoints.server.media import LoadedImage, load_images, pixel_bounds
 from prefixserve.entrypoints.server.prompt_cache_fields import PromptCacheFields
 from prefixserve.entrypoints.server.prompting.bodies import ConversationSource
 from prefixserve.entrypoints.server.prompting.pins import unix_time, warning_headers
 from prefixserve.entrypoints.server.protocol import DiagnoseFields
-from prefixserve.entrypoints.server.request_log import LoggedRequest
+from prefixserve.entrypoints.server.request_log import LoggedRequest, logged_images
 from prefixserve.entrypoints.server.rendering import PreparedPrompt, encode_prompts, prepare_prompt
 from prefixserve.entrypoints.server.state import ServerState, get_state, new_id, principal
 from prefixserve.entrypoints.server.streaming import EventStream, Framing, relay
@@ -96,6 +96,8 @@ class Call:
     raw_body: Optional[bytes] = None
     # Whose key sent it: its output tokens are taken from the key's rate limit when it finishes.
     sender: Principal = ANONYMOUS
+    # The prompt's pictures, in the order of their parts: the log records what they were.
+    images: tuple[LoadedImage, ...] = ()
 
     @property
     def id(self) -> str:
@@ -121,7 +123,8 @@ class Call:
             request_id=self.id, timestamp=self.arrived, tenant=self.tenant, raw_body=self.raw_body,
             chat=self.prompt is not None, choices=[(c.text, c.finish_reason) for c in samples],
             prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
-            completion_tokens=sum(len(c.token_ids) for c in samples)))
+            completion_tokens=sum(len(c.token_ids) for c in samples),
+            images=logged_images(self.images, outputs[0].image_spans if outputs else ())))
 
     def extension(self, outputs: list[RequestOutput],
                   diagnoses: list[Optional[dict[str, Any]]]) -> Optional[dict[str, Any]]:
@@ -184,14 +187,19 @@ async def start(request: Request, ask: GenerationRequest) -> Call:
                                         with_spans=wanted is not None)
         prompts = [prepared.token_ids]
         images = None
+        loaded: list[LoadedImage] = []
         if prepared.rendered.images:
             if not state.async_llm.info.takes_images:
                 part = prepared.rendered.images[0].part
                 raise InvalidRequestError(f"{part}: this model takes no images (only text parts)", param=part,
                                           code="unsupported")
-            images = await load_images(prepared.rendered.images, state.config.media, ask.param)
+            vision = state.async_llm.info.vision
+            assert vision is not None   # takes_images
+            bounds = [pixel_bounds(source, vision.min_pixels, vision.max_pixels) for source in prepared.rendered.images]
+            loaded = await load_images(prepared.rendered.images, state.config.media, ask.param)
+            images = [item.image if b is None else {"image": item.image, **b} for item, b in zip(loaded, bounds)]
     else:
-        images = None
+        images, loaded = None, []
         prompts = await encode_prompts(state, ask.prompt.prompt)
     sender = principal(request)
     try:
@@ -215,4 +223,4 @@ async def start(request: Request, ask: GenerationRequest) -> Call:
     # The body dependency has read it already: Starlette keeps it on the request.
     raw_body = await request.body() if state.request_log is not None else None
     return Call(state, gen, prepared, live, tools, created=int(time.time()), arrived=arrived,
-                tenant=sender.tenant, raw_body=raw_body, sender=sender)
+                tenant=sender.tenant, raw_body=raw_body, sender=sender, images=tuple(loaded))

@@ -13,6 +13,15 @@ and rotates the file, so no request waits on the disk or on parsing a large body
 would take the file past `max_bytes`, the file becomes PATH.1 (replacing the previous one) and a
 new PATH starts; a single record larger than the bound is dropped with a warning, so neither
 file ever exceeds it. Both files are created 0600: bodies are the clients' prompts.
+
+An image part is never written as sent: neither its pixels, nor a data URL's bytes, nor a URL (which
+may carry a signed token). Each becomes, in the body, a part recording what the cache keyed it by:
+
+    {"type": "image", "prefixserve_image": {"hash": "<content hash, 32 hex>", "width": 448,
+     "height": 336, "tokens": 192, "format": "PNG", "bytes": 1234, "sha256": "<of the encoded bytes>"}}
+
+(width and height as decoded, tokens as the prompt counted them), which is what `prefixserve lint`
+needs to key the picture's tokens and to tell another picture from the same one re-encoded.
 """
 from __future__ import annotations
 
@@ -26,11 +35,13 @@ import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 64 * 2**20
+# the content-part types an image arrives in: chat's image_url, Messages' image, Responses' input_image
+IMAGE_PART_TYPES = frozenset({"image_url", "image", "input_image"})
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,7 @@ class LoggedRequest:
     choices: list[tuple[str, Optional[str]]]   # (text, finish_reason) of every sample
     prompt_tokens: int
     completion_tokens: int
+    images: tuple[dict[str, Any], ...] = ()   # logged_images: what replaces each image part, in order
 
 
 class RequestLog:
@@ -102,6 +114,7 @@ class RequestLog:
         if tenant is not None:
             record["tenant"] = tenant
         record["body"] = json.loads(entry.raw_body)
+        _replace_images(record["body"], iter(entry.images))
         record["response"] = {"choices": choices, "usage": {
             "prompt_tokens": entry.prompt_tokens, "completion_tokens": entry.completion_tokens}}
         return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
@@ -116,3 +129,28 @@ class RequestLog:
             self._size = 0
         os.write(self._fd, line)
         self._size += len(line)
+
+
+def logged_images(loaded: Sequence[Any], spans: Sequence[tuple[bytes, int, int]]) -> tuple[dict[str, Any], ...]:
+    """What the log records of each image (media.LoadedImage, in part order) and its span in the prompt
+    the engine ran (RequestOutput.image_spans, (content hash, first token, tokens), in the same order)."""
+    return tuple({"hash": digest.hex(), "width": item.image.width, "height": item.image.height,
+                  "tokens": length, "format": item.format, "bytes": item.encoded_bytes,
+                  "sha256": item.encoded_sha256}
+                 for item, (digest, _, length) in zip(loaded, sorted(spans, key=lambda s: s[1])))
+
+
+def _replace_images(node: Any, images: Iterator[dict[str, Any]]) -> None:
+    """Every image part under node, in document order (the order the server read them in), becomes
+    the next of `images`; one with none left (a request refused before its images were read) keeps
+    no trace of its picture either."""
+    items = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+    for value in items:
+        if isinstance(value, list):
+            for i, part in enumerate(value):
+                if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                    value[i] = {"type": "image", "prefixserve_image": next(images, None)}
+                else:
+                    _replace_images(part, images)
+        elif isinstance(value, dict):
+            _replace_images(value, images)

@@ -180,3 +180,84 @@ def test_responses_input_image_renders_as_chat_and_its_continuation_hits(http: h
     usage = second.json()["usage"]
     assert usage["input_tokens_details"]["cached_tokens"] >= image_tokens(image)
     assert usage["input_tokens_details"]["cached_tokens"] >= (first.json()["usage"]["input_tokens"] // 16 - 1) * 16
+
+
+def large_picture(seed: int) -> Image.Image:
+    """700x560 (500 image tokens at the model's bounds), smooth enough to stay under the byte cap."""
+    rng = np.random.default_rng(seed)
+    ramp = np.linspace(0, 255, 700, dtype=np.float64)[None, :, None] * rng.uniform(0.2, 1.0, (1, 1, 3))
+    return Image.fromarray(np.broadcast_to(ramp, (560, 700, 3)).astype(np.uint8))
+
+
+def sized_part(image: Image.Image, **options) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(encoded(image)), **options}}
+
+
+def test_detail_low_and_a_pixel_budget_shrink_the_picture(http: httpx.Client) -> None:
+    image = large_picture(40)
+    vision = RANDOM_PRESETS["qwen2.5-vl-tiny"].vision
+    full = chat(http, [sized_part(image)]).json()["usage"]["prompt_tokens"]
+    low = chat(http, [sized_part(image, detail="low")])
+    assert low.status_code == 200, low.text
+    # "low": at most 256 image tokens of 28x28 pixels (docs/multimodal.md)
+    low_tokens = process_image(image, vision, max_pixels=256 * 28 * 28).num_tokens
+    assert low_tokens <= 256 < image_tokens(image)
+    assert low.json()["usage"]["prompt_tokens"] == full - image_tokens(image) + low_tokens
+    responses = [http.post("/v1/responses", json={
+        "model": MODEL, "max_output_tokens": 2, "temperature": 0, "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_url(encoded(image)), "detail": detail},
+            {"type": "input_text", "text": "What is it?"}]}]}).json()["usage"]["input_tokens"]
+        for detail in ("auto", "low")]
+    assert responses[0] - responses[1] == image_tokens(image) - low_tokens   # the same on /v1/responses
+    budget = chat(http, [sized_part(image, max_pixels=100_000)])
+    assert budget.status_code == 200, budget.text
+    assert budget.json()["usage"]["prompt_tokens"] == full - image_tokens(image) + process_image(
+        image, vision, max_pixels=100_000).num_tokens
+
+
+def test_the_content_hash_covers_the_pixel_bounds(http: httpx.Client) -> None:
+    image = large_picture(41)
+    vision = RANDOM_PRESETS["qwen2.5-vl-tiny"].vision
+    first = chat(http, [sized_part(image)]).json()["usage"]
+    # the model's own bounds asked for explicitly: the same picture, the same hash, a hit past it
+    same = chat(http, [sized_part(image, min_pixels=vision.min_pixels, max_pixels=vision.max_pixels)]).json()
+    assert same["usage"]["prompt_tokens_details"]["cached_tokens"] == (first["prompt_tokens"] - 1) // 16 * 16
+    # one pixel less of budget: resized alike (as many tokens), yet other bounds are another picture
+    other = chat(http, [sized_part(image, max_pixels=vision.max_pixels - 1)]).json()["usage"]
+    assert other["prompt_tokens"] == first["prompt_tokens"]
+    assert other["prompt_tokens_details"]["cached_tokens"] < image_tokens(image)
+
+
+@pytest.mark.parametrize("options, field, message", [
+    ({"max_pixels": 2_000_000}, "image_url.max_pixels", "outside the server's bounds"),
+    ({"min_pixels": 10}, "image_url.min_pixels", "outside the server's bounds"),
+    ({"min_pixels": 500_000, "max_pixels": 400_000}, "image_url.min_pixels", "above max_pixels"),
+    ({"max_pixels": "big"}, "image_url.max_pixels", "positive integer"),
+    ({"detail": "medium"}, "image_url.detail", "\"low\""),
+])
+def test_pixel_options_outside_the_bounds_are_a_400_naming_the_field(
+        http: httpx.Client, options: dict, field: str, message: str) -> None:
+    r = chat(http, [sized_part(picture(42), **options)])
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == f"messages[0].content[0].{field}" and message in error["message"]
+    assert chat(http, [sized_part(picture(42))]).status_code == 200   # the server goes on
+
+
+def test_anthropic_image_block_takes_a_pixel_budget(http: httpx.Client) -> None:
+    image = large_picture(43)
+    vision = RANDOM_PRESETS["qwen2.5-vl-tiny"].vision
+
+    def ask(**options) -> httpx.Response:
+        return http.post("/v1/messages", json={"model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(encoded(image)).decode()}, **options},
+            {"type": "text", "text": "What is it?"}]}]})
+    small = ask(max_pixels=100_000)
+    assert small.status_code == 200, small.text
+    full, small = ask().json()["usage"], small.json()["usage"]
+    assert full["input_tokens"] + full["cache_read_input_tokens"] - image_tokens(image) == \
+        small["input_tokens"] + small["cache_read_input_tokens"] - process_image(
+            image, vision, max_pixels=100_000).num_tokens
+    bad = ask(max_pixels=0)
+    assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("messages[0].content[0].max_pixels")

@@ -21,7 +21,9 @@ class ContentBlock(StrictModel):
     # the fields of Anthropic's text, image, document, tool_use, tool_result and thinking blocks
     known_extra: ClassVar[frozenset[str]] = frozenset({
         "citations", "source", "title", "context", "id", "name", "input", "tool_use_id", "content",
-        "is_error", "thinking", "signature", "data"})
+        "is_error", "thinking", "signature", "data",
+        # prefixserve's resizing bounds of an image block (media.pixel_bounds)
+        "min_pixels", "max_pixels"})
     type: str
     text: Optional[str] = None
     cache_control: Optional[dict[str, Any]] = None

@@ -109,7 +109,8 @@ TOOL_CALL_KEYS: Shape = {"id": None, "type": None, "function": FUNCTION_KEYS}
 
 
 class ContentPart(StrictModel):
-    # Other part kinds (image_url, input_audio, file) parse here and are refused with a clear message.
+    # Other part kinds (input_audio, file) parse here and are refused with a clear message; image_url
+    # takes prefixserve's min_pixels / max_pixels beside OpenAI's url and detail (media.pixel_bounds).
     model_config = ConfigDict(strict=True, extra="allow")
     known_extra: ClassVar[frozenset[str]] = frozenset({
         "image_url", "input_audio", "file", "refusal",
@@ -117,7 +118,8 @@ class ContentPart(StrictModel):
         "prompt_cache_breakpoint"})
     field_keys: ClassVar[dict[str, Shape]] = {
         "prompt_cache_breakpoint": BREAKPOINT_KEYS,
-        "image_url": {"url": None, "detail": None}, "input_audio": {"data": None, "format": None},
+        "image_url": {"url": None, "detail": None, "min_pixels": None, "max_pixels": None},
+        "input_audio": {"data": None, "format": None},
         "file": {"file_data": None, "file_id": None, "filename": None}}
     type: str
     text: Optional[str] = None

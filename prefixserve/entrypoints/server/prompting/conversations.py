@@ -51,19 +51,37 @@ def image_of(block: Any, where: str) -> Optional[ImageSource]:
         url = ref.get("url") if isinstance(ref, dict) else None
         if not isinstance(url, str) or not url:
             raise bad_request(f"{where}.image_url.url must be a non-empty string", param=f"{where}.image_url.url")
-        return ImageSource(f"{where}.image_url.url", where, url=url)
+        detail = ref.get("detail")
+        if detail is not None and detail not in ("auto", "low", "high"):
+            raise bad_request(f"{where}.image_url.detail must be \"auto\", \"low\" or \"high\", got {detail!r}",
+                              param=f"{where}.image_url.detail")
+        return ImageSource(f"{where}.image_url.url", where, url=url, detail=detail,
+                           **_pixels(ref, f"{where}.image_url"))
     if block.get("type") == "image":
         source = block.get("source")
         if not isinstance(source, dict):
             raise bad_request(f"{where}.source must be an object", param=f"{where}.source")
         if source.get("type") == "base64" and isinstance(source.get("data"), str) \
                 and isinstance(source.get("media_type"), str):
-            return ImageSource(f"{where}.source", where, data=source["data"], media_type=source["media_type"])
+            return ImageSource(f"{where}.source", where, data=source["data"], media_type=source["media_type"],
+                               **_pixels(block, where))
         if source.get("type") == "url" and isinstance(source.get("url"), str):
-            return ImageSource(f"{where}.source.url", where, url=source["url"])
+            return ImageSource(f"{where}.source.url", where, url=source["url"], **_pixels(block, where))
         raise bad_request(f"{where}.source must be {{'type': 'base64', 'media_type', 'data'}} or "
                           f"{{'type': 'url', 'url'}}", param=f"{where}.source")
     return None
+
+
+def _pixels(holder: dict, where: str) -> dict[str, Any]:
+    """prefixserve's min_pixels / max_pixels beside an image (positive integers; the model's bounds are
+    checked once the model is known: media.pixel_bounds)."""
+    out: dict[str, Any] = {"options_at": where}
+    for name in ("min_pixels", "max_pixels"):
+        value = holder.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise bad_request(f"{where}.{name} must be a positive integer, got {value!r}", param=f"{where}.{name}")
+        out[name] = value
+    return out
 
 
 def tool_of(raw: Any, where: str) -> Tool:

@@ -201,7 +201,9 @@ def _part(part: dict[str, Any], cache: PromptCacheFields) -> Part:
     if part["type"] == IMAGE_PART:
         # the picture is fetched, decoded and hashed when the prompt is prepared (media.py); a
         # stored turn's picture is loaded again on each continuation, and hits by its content hash
-        return Part(IMAGE_PLACEHOLDER, mark, "input", ImageSource("input.image_url", "input", url=part["image_url"]))
+        # detail "low" caps its tokens as on the chat route (media.pixel_bounds)
+        return Part(IMAGE_PLACEHOLDER, mark, "input", ImageSource("input.image_url", "input", url=part["image_url"],
+                                                                  detail=part.get("detail"), options_at="input"))
     return Part(part["text"], mark, "input")
 
 
