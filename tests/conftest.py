@@ -21,8 +21,8 @@ MODEL, assert_pool_idle, metrics), tool_fixtures.py, bad_inputs.py, diagnose_log
 cache_reuse_oracle.py, routing_oracle.py, replica_service.py, prefix_caching_oracle.py,
 bf16_reference.py, waiting.py (wait_until), checkpoint_factory.py, redis_server.py,
 kv_store_helpers.py, native_kernel_build.py, import_graph.py, kernel_device.py, sim_worker.py
-and vl_oracle.py. Fixtures a folder shares sit in its conftest.py (entrypoints/server/: server, http;
-replicas/: cluster).
+and vl_oracle.py. Fixtures a folder shares sit in its conftest.py
+(entrypoints/server/: server, http; replicas/: cluster).
 """
 from __future__ import annotations
 

@@ -208,11 +208,14 @@ def _serve_args(cfg: FloodConfig, keys_path: Path, features: str) -> list[str]:
             "--log-level", "warning", *FEATURES[features]]
 
 
-def engine_steps_run(cfg: FloodConfig, features: str, steps: int = 300, quiet_every: int = 10) -> dict:
+def engine_steps_run(cfg: FloodConfig, features: str, steps: int = 300, quiet_every: int = 10,
+                     quiet: str = "sends") -> dict:
     """The same two tenants on an engine driven step by step, no server: what the scheduler and
     the cache do, free of the HTTP front and of the neighbours' load. Quiet arrives every
     `quiet_every` steps, flood every step (ten times the rate, its queue unbounded); counted in
-    steps: from a quiet request's arrival to the step that gives its first token."""
+    steps: from a quiet request's arrival to the step that gives its first token. `quiet`:
+    "sends" (as described), "idle" (its system prompt computed once, then nothing: what its
+    cache floor alone costs the flood) or "absent" (the flood alone on the whole pool)."""
     from prefixserve import EngineConfig, LLMEngine, SamplingParams
 
     fair, shares = FEATURES[features][0] == "--fair-scheduling", FEATURES[features][1] == "--tenant-cache-shares"
@@ -229,15 +232,16 @@ def engine_steps_run(cfg: FloodConfig, features: str, steps: int = 300, quiet_ev
     hits: list[float] = []
     flood_tokens = 0
     step = 0
-    engine.add_request("warm", {"prompt_token_ids": system + _tokens(rng, cfg.question_tokens)}, params,
-                       tenant="quiet")
+    warm = system + _tokens(rng, cfg.question_tokens)
+    if quiet != "absent":
+        engine.add_request("warm", {"prompt_token_ids": warm}, params, tenant="quiet")
     while engine.has_unfinished_requests():
         engine.step()
     while step < steps or engine.has_unfinished_requests():
         if step < steps:
             engine.add_request(f"f{step}", {"prompt_token_ids": _tokens(rng, cfg.flood_prompt_tokens)}, params,
                                tenant="flood")
-            if step % quiet_every == 0:
+            if quiet == "sends" and step % quiet_every == 0:
                 engine.add_request(f"q{step}", {"prompt_token_ids": system + _tokens(rng, cfg.question_tokens)},
                                    params, tenant="quiet")
                 arrived[f"q{step}"] = step
@@ -249,8 +253,10 @@ def engine_steps_run(cfg: FloodConfig, features: str, steps: int = 300, quiet_ev
             if out.finished and out.request_id.startswith("f"):
                 flood_tokens += len(out.prompt_token_ids) + len(out.outputs[0].token_ids)
         step += 1
-    return {"run": features, "quiet_steps_p50": statistics.median(waited), "quiet_steps_max": max(waited),
-            "quiet_hit_rate": statistics.fmean(hits), "steps": step, "flood_tokens": flood_tokens}
+    label = features if quiet == "sends" else f"{features}, quiet {quiet}"
+    return {"run": label, "quiet_steps_p50": statistics.median(waited) if waited else None,
+            "quiet_steps_max": max(waited) if waited else None,
+            "quiet_hit_rate": statistics.fmean(hits) if hits else None, "steps": step, "flood_tokens": flood_tokens}
 
 
 FLOOD_RUNS = (("quiet solo", "on", False), ("flood, fairness off", "off", True),
@@ -287,9 +293,10 @@ def run_tenants_flood(cfg: FloodConfig, log=print) -> tuple[str, dict]:
     rows = [_median_of(runs) for runs in flood_runs.values()]
     singles = [_median_of(runs) for runs in single_runs.values()]
     steps = []
-    for features in ("off", "fair", "shares", "on"):
-        log(f"{WORKLOAD}: engine steps, {features}")
-        steps.append(engine_steps_run(cfg, features))
+    for features, quiet in (("off", "sends"), ("fair", "sends"), ("shares", "sends"), ("on", "sends"),
+                            ("on", "idle"), ("on", "absent")):
+        log(f"{WORKLOAD}: engine steps, {features}, quiet {quiet}")
+        steps.append(engine_steps_run(cfg, features, quiet=quiet))
     data = {"workload": WORKLOAD, "cpu": cpu_name(), "config": cfg.__dict__, "flood": rows, "single": singles,
             "engine_steps": steps}
     return to_markdown(data), data
@@ -336,8 +343,9 @@ def to_markdown(data: dict) -> str:
               "| features | quiet steps to first token p50 / max | quiet hit rate | steps to drain | "
               "flood tokens served |", "|---|---|---|---|---|"]
     for r in data.get("engine_steps", ()):
-        lines.append(f"| {r['run']} | {r['quiet_steps_p50']:g} / {r['quiet_steps_max']} | {r['quiet_hit_rate']:.3f} | "
-                     f"{r['steps']} | {r['flood_tokens']} |")
+        waited = (f"{r['quiet_steps_p50']:g} / {r['quiet_steps_max']} | {r['quiet_hit_rate']:.3f}"
+                  if r["quiet_steps_p50"] is not None else "– | –")
+        lines.append(f"| {r['run']} | {waited} | {r['steps']} | {r['flood_tokens']} |")
     return "\n".join(lines)
 
 

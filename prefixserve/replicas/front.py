@@ -35,6 +35,7 @@ from prefixserve.multimodal.prompt import expand_prompt, prepare_images
 from prefixserve.replicas.contents import ContentDirectory, Placement
 from prefixserve.replicas.deltas import DeltaDecoder
 from prefixserve.replicas.deployment import ACCEPTED
+from prefixserve.replicas.stats_merge import sum_replica_stats
 from prefixserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -158,7 +159,7 @@ class ReplicatedLLM:
             try:
                 self._replica_stats = await self._hub.stats.remote()
                 self._routing = await self._hub.routing.remote()
-                self._stats = _sum_stats(list(self._replica_stats.values()), self._stats)
+                self._stats = sum_replica_stats(list(self._replica_stats.values()), self._stats)
             except RayError as exc:
                 logger.warning("replica stats unavailable: %s", exc)
             await asyncio.sleep(self._stats_period_s)
@@ -431,15 +432,3 @@ class ReplicatedLLM:
             self._contents.place(content, placement)
             return placement
 
-
-def _sum_stats(per_replica: list[dict], previous: EngineStats) -> EngineStats:
-    if not per_replica:
-        return previous
-    merged = {}
-    for f in fields(EngineStats):
-        values = [s[f.name] for s in per_replica if f.name in s]
-        if values and all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            merged[f.name] = sum(values)
-        elif values:
-            merged[f.name] = values[0]
-    return EngineStats(**merged)

@@ -7,7 +7,8 @@ import argparse
 import pytest
 
 from prefixserve.benchmarks import cli
-from prefixserve.benchmarks.tenants_flood import Record, _median_of, _summary
+from prefixserve.benchmarks.tenants_flood import (FloodConfig, Record, _median_of, _summary, engine_steps_run,
+                                                 to_markdown)
 
 
 def test_summary_counts_each_tenant_apart():
@@ -36,3 +37,16 @@ def test_the_bench_cli_runs_it_only_on_its_own():
     args = argparse.Namespace(workload=["tenants-flood", "system-prompt"], online=None)
     with pytest.raises(ValueError, match="on its own"):
         cli.run(args)
+
+
+@pytest.mark.parametrize("quiet", ["sends", "idle", "absent"])
+def test_engine_steps_serve_every_flood_token_and_time_only_a_quiet_that_sends(quiet):
+    cfg = FloodConfig(quiet_system_tokens=64, flood_prompt_tokens=40, question_tokens=4, max_tokens=2)
+    r = engine_steps_run(cfg, "on", steps=6, quiet_every=3, quiet=quiet)
+    assert r["flood_tokens"] == 6 * (40 + 2)
+    if quiet == "sends":
+        assert r["run"] == "on" and r["quiet_steps_p50"] >= 1 and r["quiet_hit_rate"] > 0
+    else:
+        assert r["run"] == f"on, quiet {quiet}" and r["quiet_steps_p50"] is None
+        row = to_markdown({"cpu": "x", "config": cfg.__dict__, "flood": [], "single": [], "engine_steps": [r]})
+        assert f"| on, quiet {quiet} | – | – | {r['steps']} | {r['flood_tokens']} |" in row

@@ -2,8 +2,9 @@
 explainer and the process that renders and tokenizes off the engine's cores."""
 from __future__ import annotations
 
+import os
+import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -86,8 +87,33 @@ def get_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
+class RandomIds:
+    """128-bit random ids, as unpredictable as uuid4's, read from os.urandom `batch` at a time:
+    os.urandom releases the GIL, and getting it back on the event loop waits for the engine
+    thread's switch interval (up to 5 ms) while a step runs, once per request when read one id
+    at a time."""
+
+    def __init__(self, batch: int = 256) -> None:
+        self._batch = batch
+        self._lock = threading.Lock()
+        self._hex = ""
+        self._at = 0
+
+    def next_hex(self) -> str:
+        with self._lock:
+            if self._at == len(self._hex):
+                self._hex, self._at = os.urandom(16 * self._batch).hex(), 0
+            self._at += 32
+            return self._hex[self._at - 32:self._at]
+
+
+_IDS = RandomIds()
+# a forked child draws its own bytes, never the parent's next ids
+os.register_at_fork(after_in_child=lambda: _IDS.__init__())
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{_IDS.next_hex()}"
 
 
 def token_text(tokenizer, token_id: int) -> str:
