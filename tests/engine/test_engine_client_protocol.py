@@ -131,6 +131,9 @@ def handle_calls() -> set[str]:
     return names
 
 
+REMOTE_ONLY = {"target_replica", "images", "image_spans"}
+
+
 def check_replica(cls: type, forwarded: set[str]) -> list[str]:
     bad = []
     for name in sorted(forwarded):
@@ -143,7 +146,10 @@ def check_replica(cls: type, forwarded: set[str]) -> list[str]:
         if name not in calls():
             continue
         remote = params(impl)
-        if remote and remote[-1][0] == "target_replica" and remote[-1][2] is None:
+        # what only the replica front sends: the replica it targets, and a prompt's pictures as the
+        # front decoded them with the spans it routed by (the protocol's prompt dict carries them
+        # as multi_modal_data)
+        while remote and remote[-1][0] in REMOTE_ONLY and remote[-1][2] in (None, ()):
             remote = remote[:-1]
         spec = [("token_ids" if p == "prompt" else p, k, d) for p, k, d in params(calls()[name])]
         if remote != spec:
