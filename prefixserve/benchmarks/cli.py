@@ -82,10 +82,20 @@ def run(args: argparse.Namespace) -> int:
     if "float32" in by_dtype and "bfloat16" in by_dtype:
         texts.append(dtype_comparison_md(by_dtype["float32"], by_dtype["bfloat16"]))
         print(texts[-1])
+    _write_report(args, "\n\n".join(texts))
+    return 0
+
+
+def _write_report(args: argparse.Namespace, text: str, data: object = None) -> None:
+    """--markdown gets the printed text, --json the figures (when the workload has them)."""
+    import json
+
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text("\n\n".join(texts) + "\n")
-    return 0
+        args.markdown.write_text(text + "\n")
+    if args.json and data is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=1, default=str) + "\n")
 
 
 def _run_image_qa(args: argparse.Namespace) -> int:
@@ -94,9 +104,7 @@ def _run_image_qa(args: argparse.Namespace) -> int:
     model = args.model if args.model.startswith("random:qwen2.5-vl") else "random:qwen2.5-vl-tiny"
     text = image_qa_markdown(model, args.quick, args.threads, args.seed)
     print(text)
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text + "\n")
+    _write_report(args, text)
     return 0
 
 
@@ -106,8 +114,6 @@ def _dtypes(args: argparse.Namespace) -> list[str]:
 
 def _run_store_workloads(args: argparse.Namespace, store_workloads: tuple[str, ...],
                          others: tuple[str, ...]) -> int:
-    import json
-
     from prefixserve.benchmarks.kv_store_bench import StoreBenchConfig, run_store_benchmarks
     if others or args.online:
         raise ValueError(f"run the KV store workloads ({', '.join(store_workloads)}) on their own, "
@@ -120,18 +126,11 @@ def _run_store_workloads(args: argparse.Namespace, store_workloads: tuple[str, .
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     text, data = run_store_benchmarks(config, store_workloads)
     print(text)
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text + "\n")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    _write_report(args, text, data)
     return 0
 
 
 def _run_tenants_flood(args: argparse.Namespace, console: Console) -> int:
-    import json
-
     from prefixserve.benchmarks.tenants_flood import FloodConfig, run_tenants_flood
     if len(args.workload) > 1 or args.online:
         raise ValueError(f"run {TENANTS_FLOOD} on its own: it starts its own servers")
@@ -141,12 +140,7 @@ def _run_tenants_flood(args: argparse.Namespace, console: Console) -> int:
                          duration_s=5.0 if args.quick else FloodConfig.duration_s)
     text, data = run_tenants_flood(config, log=console.print)
     print(text)
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text + "\n")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=1) + "\n")
+    _write_report(args, text, data)
     return 0
 
 
