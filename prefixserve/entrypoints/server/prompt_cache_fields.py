@@ -103,3 +103,9 @@ def prompt_cache_fields(key: Any = None, options: Any = None, retention: Any = N
         raise InvalidRequestError(f"prompt_cache_retention must be one of {list(RETENTIONS)}, "
                                   f"got {retention!r}", param="prompt_cache_retention")
     return PromptCacheFields(key, mode, ttl, retention)
+
+
+def request_cache_fields(body: Any) -> PromptCacheFields:
+    """A request body's prompt_cache_key, prompt_cache_options and prompt_cache_retention, checked
+    (chat completions, completions and responses all declare the three)."""
+    return prompt_cache_fields(body.prompt_cache_key, body.prompt_cache_options, body.prompt_cache_retention)

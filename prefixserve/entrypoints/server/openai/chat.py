@@ -18,7 +18,7 @@ from prefixserve.entrypoints.server.openai.protocol import (AssistantMessage, Ch
                                                             DeltaMessage, TokenLogprob, TopLogprob, Usage)
 from prefixserve.entrypoints.server.openai.tool_calls import ToolDeltas, chat_tools, finish_reason_of, reply
 from prefixserve.entrypoints.server.pipeline import Call, ChatPrompt, Finished, GenerationRequest, start
-from prefixserve.entrypoints.server.prompt_cache_fields import prompt_cache_fields
+from prefixserve.entrypoints.server.prompt_cache_fields import request_cache_fields
 from prefixserve.entrypoints.server.prompting.bodies import ParsedChat, chat_body
 from prefixserve.entrypoints.server.state import ServerState, token_text
 from prefixserve.entrypoints.server.streaming import DONE_EVENT, ChoiceUpdate, sse
@@ -66,7 +66,7 @@ def _generation_request(body: ChatCompletionRequest, parsed: ParsedChat) -> Gene
         return dataclasses.replace(params, structured=tools.structured)
 
     # checked here too, so a bad value is refused before anything renders
-    cache = prompt_cache_fields(body.prompt_cache_key, body.prompt_cache_options, body.prompt_cache_retention)
+    cache = request_cache_fields(body)
     return GenerationRequest(
         id_prefix="chatcmpl", cache=cache, param="messages", model=body.model, cache_salt=body.cache_salt,
         priority=body.priority, diagnose=body,

@@ -15,7 +15,7 @@ from prefixserve.entrypoints.server.errors import APIError, bad_request
 from prefixserve.entrypoints.server.openai.protocol import (CompletionChoice, CompletionLogprobs,
                                                             CompletionRequest, CompletionResponse, Usage)
 from prefixserve.entrypoints.server.pipeline import Call, Finished, GenerationRequest, TextPrompts, start
-from prefixserve.entrypoints.server.prompt_cache_fields import prompt_cache_fields
+from prefixserve.entrypoints.server.prompt_cache_fields import request_cache_fields
 from prefixserve.entrypoints.server.prompting.bodies import json_body
 from prefixserve.entrypoints.server.state import ServerState, get_state, token_text
 from prefixserve.entrypoints.server.streaming import DONE_EVENT, ChoiceUpdate, sse
@@ -48,7 +48,7 @@ def _generation_request(request: Request, body: CompletionRequest) -> Generation
         return dataclasses.replace(body.sampling_params(max_tokens, body.logprobs),
                                    structured=response_format_of(body.response_format))
 
-    cache = prompt_cache_fields(body.prompt_cache_key, body.prompt_cache_options, body.prompt_cache_retention)
+    cache = request_cache_fields(body)
     return GenerationRequest(
         id_prefix="cmpl", param="prompt", cache=cache, model=body.model, cache_salt=body.cache_salt,
         priority=body.priority, diagnose=body, prompt=TextPrompts(body.prompt), sampling=sampling,

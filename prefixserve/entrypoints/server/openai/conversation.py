@@ -8,7 +8,7 @@ from typing import Any, Optional
 from prefixserve.entrypoints.server.openai.protocol import ChatCompletionRequest, ChatMessage
 from prefixserve.entrypoints.server.openai.tool_calls import check_tool_calls
 from prefixserve.entrypoints.server.prompting.bodies import ChatKind, register_chat_kind
-from prefixserve.entrypoints.server.prompt_cache_fields import PromptCacheFields, prompt_cache_fields
+from prefixserve.entrypoints.server.prompt_cache_fields import PromptCacheFields, request_cache_fields
 from prefixserve.entrypoints.server.prompting.conversations import parts_of, tool_of
 from prefixserve.errors import CacheControlError
 from prefixserve.prompt import Conversation, Turn, parse_cache_control
@@ -52,8 +52,7 @@ def _mark_exact(content: list, parts: list, cache: PromptCacheFields, where: str
 
 def openai_conversation(body: Any) -> Conversation:
     """A chat-completions body's conversation."""
-    cache = prompt_cache_fields(body.prompt_cache_key, body.prompt_cache_options,
-                                body.prompt_cache_retention)
+    cache = request_cache_fields(body)
     return chat_conversation(body.messages, body.tools, cache)
 
 

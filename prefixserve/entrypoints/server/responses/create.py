@@ -21,7 +21,7 @@ from prefixserve.entrypoints.server.errors import APIError, bad_request
 from prefixserve.entrypoints.server.pipeline import ChatPrompt, GenerationRequest, start
 from prefixserve.entrypoints.server.prompting.bodies import json_body
 from prefixserve.entrypoints.server.protocol import DiagnoseFields
-from prefixserve.entrypoints.server.prompt_cache_fields import PromptCacheFields, prompt_cache_fields
+from prefixserve.entrypoints.server.prompt_cache_fields import PromptCacheFields, request_cache_fields
 from prefixserve.entrypoints.server.responses.events import ResponseFraming
 from prefixserve.entrypoints.server.responses.items import (chat_tool_choice, chat_tools_of, conversation_of,
                                                             normalize_input, response_format_of)
@@ -39,7 +39,7 @@ async def create_response(body: Annotated[ResponsesRequest, Depends(json_body(Re
                           request: Request) -> Response:
     state = get_state(request)
     tenant = principal(request).tenant
-    cache = prompt_cache_fields(body.prompt_cache_key, body.prompt_cache_options, body.prompt_cache_retention)
+    cache = request_cache_fields(body)
     history: list[dict[str, Any]] = []
     previous = None
     if body.previous_response_id is not None:
