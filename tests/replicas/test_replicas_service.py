@@ -137,14 +137,28 @@ def test_metrics_show_routing_next_to_the_engines(prefix_aware):
     complete(live, system_prompt(5) + " two", salt="metrics")
     wait_until(lambda: settled() and sum(routing(front)["routed"].values()) == routed + 2,
                what="the routers' report of both requests, in the front's copy")
-    samples = {}
-    for family in text_string_to_metric_families(httpx.get(live.base_url + "/metrics").text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    view = routing(front)
+    scraped: dict = {}
+
+    def scrape_while_still() -> bool:
+        """A scrape taken between two equal, settled reports: a router may count a decision at
+        any moment (Ray Serve calls choose_replicas again on a retry), so a scrape that raced
+        one is taken again rather than compared with a later report."""
+        before, stats_before = routing(front), replica_stats(live)
+        if not settled():
+            return False
+        samples = {}
+        for family in text_string_to_metric_families(httpx.get(live.base_url + "/metrics").text):
+            for s in family.samples:
+                samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        if not settled() or routing(front) != before or replica_stats(live) != stats_before:
+            return False
+        scraped.update(samples=samples, view=before, stats=stats_before)
+        return True
+
+    wait_until(scrape_while_still, what="a /metrics scrape while the routers' reports stand still")
+    samples, view, stats = scraped["samples"], scraped["view"], scraped["stats"]
     assert samples[("prefixserve:router_decisions_total", (("reason", "prefix_hit"),))] \
         == view["reasons"]["prefix_hit"] >= 1
-    stats = replica_stats(live)
     assert len(stats) == 2
     for replica, st in stats.items():
         rate = samples[("prefixserve:replica_prefix_cache_hit_rate", (("replica", replica),))]
