@@ -4,6 +4,7 @@ local Ray cluster is the `cluster` fixture of tests/replicas/conftest.py."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 ENGINE = dict(model="random:qwen3-tiny", block_size=16, num_kv_blocks=256, dtype="float32",
               max_num_batched_tokens=512)
@@ -40,3 +41,23 @@ def routers_caught_up(front) -> bool:
         return False
     return all(view["held"].get(replica, 0) == s["blocks_cached"]
                for view in router_views(front).values() for replica, s in stats.items())
+
+
+def steady_routing(front, hold_s: float = 1.0, timeout: float = 60.0) -> dict:
+    """routing(front) once no replica runs or queues a request and the report has not changed for
+    hold_s: the baseline of a count. A report read just after a request can still lack it (a
+    router reports as it polls the hub, and on a loaded machine it runs late), and a baseline
+    that lacks it counts that request again among the next ones."""
+    def idle() -> bool:
+        return not any(s["num_running"] or s["num_waiting"] for s in front.replica_stats().values())
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if idle():
+            view = routing(front)
+            time.sleep(hold_s)
+            if idle() and routing(front) == view:
+                return view
+        else:
+            time.sleep(0.05)
+        assert time.monotonic() < deadline, f"the routers' report did not stand still within {timeout} s"

@@ -14,7 +14,7 @@ from prefixserve.replicas.metrics import install_routing_metrics
 from prefixserve.replicas.policy import RoutingConfig
 from prefixserve.replicas.service import ReplicaConfig, ReplicaService
 from live_server import LiveServer
-from replica_service import ENGINE, cached, router_views, routers_caught_up, routing
+from replica_service import ENGINE, cached, router_views, routers_caught_up, routing, steady_routing
 from waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -130,8 +130,7 @@ def test_metrics_show_routing_next_to_the_engines(prefix_aware):
         their current report."""
         return routers_caught_up(front) and front.last_routing() == router_views(front)
 
-    wait_until(settled, what="the routers' and the front's view of the replicas")
-    routed = sum(routing(front)["routed"].values())
+    routed = sum(steady_routing(front)["routed"].values())
     complete(live, system_prompt(5) + " one", salt="metrics")
     wait_until(lambda: routers_caught_up(front), what="the routers' view of the replicas' events")
     complete(live, system_prompt(5) + " two", salt="metrics")
@@ -204,7 +203,7 @@ def test_a_prompt_cache_key_routes_by_the_key_first(prefix_aware):
         return routers_caught_up(front) and sum(routing(front)["routed"].values()) == finished
 
     wait_until(settled, what="the reports of the earlier requests")
-    before = routing(front)
+    before = steady_routing(front)
     for i in range(4):
         body = {"model": "random:qwen3-tiny", "max_tokens": 1, "prompt_cache_key": "agent-7",
                 "messages": [{"role": "user", "content": system_prompt(20 + i)}]}
@@ -252,8 +251,8 @@ def test_named_cached_contents_live_on_the_replica_the_router_picked(prefix_awar
     holder = next(r for r, n in pinned(live).items() if n)
     wait_until(lambda: routing(front)["held"].get(holder, 0) >= held // 16,
                what="the routers' view of the content's blocks")
-    routed_before = routing(front)["routed"].get(holder, 0)
-    total_before = sum(routing(front)["routed"].values())
+    baseline = steady_routing(front)
+    routed_before, total_before = baseline["routed"].get(holder, 0), sum(baseline["routed"].values())
     for q in ("first question", "second question", "third question"):
         assert cached(chat_with(live, "shared-system", q)) >= held
     wait_until(lambda: sum(routing(front)["routed"].values()) == total_before + 3,
