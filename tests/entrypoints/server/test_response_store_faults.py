@@ -5,7 +5,8 @@ are the ones the model made before the outage, word for word (greedy, same input
 stored while Redis was up is the oracle), say `"store": false`, and are counted in /metrics; the
 server keeps serving, stores again once Redis is back, and a response it could not store is
 unknown to previous_response_id (404 in OpenAI's shape). A store whose write blocks never blocks
-the event loop: /health answers while the write waits."""
+the event loop: /health answers while the write waits. A response over the tenant's byte bound
+is not stored either, and says so, without counting as a fault."""
 from __future__ import annotations
 
 import logging
@@ -19,7 +20,7 @@ from live_server import ENGINE, MODEL, LiveServer, metrics
 from prefixserve import EngineConfig, LLMEngine
 from prefixserve.entrypoints.server.app import build_app
 from prefixserve.entrypoints.server.config import ServerConfig
-from prefixserve.entrypoints.server.response_store import MemoryBackend, ResponseStore
+from prefixserve.entrypoints.server.response_store import MemoryBackend, ResponseStore, StoreBounds
 
 ERRORS = "prefixserve:response_store_write_errors_total"
 ASK = dict(model=MODEL, input="Name three rivers.", max_output_tokens=12, temperature=0.0)
@@ -125,3 +126,16 @@ def test_a_failed_write_is_answered_logged_counted_and_unknown_later(server, cli
     with pytest.raises(openai.NotFoundError) as refused:
         client.responses.create(**ASK, previous_response_id=answered.id)
     assert refused.value.body["code"] == "previous_response_not_found"
+
+
+def test_a_response_too_large_to_store_says_so_and_is_no_fault(server, client, http):
+    state = server.app.state.server
+    before = state.responses
+    errors = metrics(http)[ERRORS]
+    state.responses = ResponseStore(MemoryBackend(), StoreBounds(ttl_s=60.0, max_responses=10, max_bytes=100))
+    try:
+        answered = client.responses.create(**ASK)
+    finally:
+        state.responses = before
+    assert answered.store is False and text_of(answered)
+    assert metrics(http)[ERRORS] == errors
