@@ -78,7 +78,7 @@ def _check_model(data: dict[str, Any], model: type[BaseModel], path: str, unknow
     fields = model.model_fields
     # an unsupported field got here with a harmless value (check_fields): known, and dropped
     known = set(fields) | set(getattr(model, "known_extra", ())) | set(getattr(model, "unsupported", ()))
-    shapes: dict[str, Shape] = getattr(model, "field_keys", {})
+    shapes = _field_shapes(model)
     for key, value in data.items():
         where = f"{path}.{key}" if path else str(key)
         if key not in known:
@@ -89,6 +89,15 @@ def _check_model(data: dict[str, Any], model: type[BaseModel], path: str, unknow
             inner = _model_in(fields[key].annotation)
             if inner is not None:
                 _each_object(value, where, lambda obj, at: _check_model(obj, inner, at, unknown))
+
+
+def _field_shapes(model: type[BaseModel]) -> dict[str, Shape]:
+    """The model's `field_keys` and its bases': a base's fields keep their shapes in every body
+    built on it (prompt_cache_fields.PromptCacheRequest)."""
+    shapes: dict[str, Shape] = {}
+    for cls in reversed(model.__mro__):
+        shapes.update(vars(cls).get("field_keys", {}))
+    return shapes
 
 
 def _check_shape(value: Any, shape: Optional[Shape], path: str, unknown: list[str]) -> None:

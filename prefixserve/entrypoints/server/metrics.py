@@ -161,12 +161,19 @@ class ServerMetrics:
                                 labels + ["tenant"], registry=self.registry)
         for tenant in sorted(tenants):
             self._refused.labels(model_name, tenant)   # every tenant's series from the start, at 0
+        self._not_stored = Counter(P + "response_store_write_errors",
+                                   "Responses answered but not stored: the response store's write failed.",
+                                   labels, registry=self.registry).labels(model_name)
 
     def recorder(self) -> RequestRecorder:
         return RequestRecorder(self)
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
+
+    def response_not_stored(self) -> None:
+        """A /v1/responses response was answered, but the response store could not keep it."""
+        self._not_stored.inc()
 
     def refused(self, tenant: Optional[str]) -> None:
         """A request of tenant's was answered 429."""

@@ -1,6 +1,7 @@
 """OpenAI's prompt-caching request fields, mapped onto prefixserve's cache machinery: one place
-for every endpoint that takes them (chat completions now; the Responses API calls the same
-functions). docs/openai-caching-params.md is the user's side of this table.
+for every endpoint that takes them (chat completions, completions and the Responses API, whose
+bodies all build on PromptCacheRequest). docs/openai-caching-params.md is the user's side of
+this table.
 
 prompt_cache_key        -> the replicas router's first routing key, namespaced by the request's
                            cache namespace (its tenant, and its cache_salt): never shared across
@@ -19,8 +20,10 @@ prompt_cache_retention  -> "in_memory": the default; "24h": every OpenAI mark is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
+from prefixserve.entrypoints.server.fields import Shape
+from prefixserve.entrypoints.server.protocol import StrictModel
 from prefixserve.errors import CacheControlError, InvalidRequestError
 from prefixserve.prompt import Breakpoint, CacheControl
 
@@ -28,8 +31,8 @@ MODES = ("implicit", "explicit")
 OPTION_TTLS = ("30m",)
 BREAKPOINT_TTLS = ("30m", "12h")
 RETENTIONS = ("in_memory", "24h")
-OPTIONS_KEYS = {"mode": None, "ttl": None}
-BREAKPOINT_KEYS = {"mode": None, "ttl": None}
+OPTIONS_KEYS: Shape = {"mode": None, "ttl": None}
+BREAKPOINT_KEYS: Shape = {"mode": None, "ttl": None}
 MAX_KEY_CHARS = 1024
 
 
@@ -105,7 +108,18 @@ def prompt_cache_fields(key: Any = None, options: Any = None, retention: Any = N
     return PromptCacheFields(key, mode, ttl, retention)
 
 
-def request_cache_fields(body: Any) -> PromptCacheFields:
-    """A request body's prompt_cache_key, prompt_cache_options and prompt_cache_retention, checked
-    (chat completions, completions and responses all declare the three)."""
+class PromptCacheRequest(StrictModel):
+    """The caching fields of a chat-completions, completions or Responses body, declared here
+    once so that the three APIs take the same ones: OpenAI's (checked by request_cache_fields) and
+    prefixserve's cache_salt."""
+    field_keys: ClassVar[dict[str, Shape]] = {"prompt_cache_options": OPTIONS_KEYS}
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
+    prompt_cache_retention: Optional[str] = None
+    # Requests with different salts never share cached blocks (tenant isolation).
+    cache_salt: Optional[str] = None
+
+
+def request_cache_fields(body: PromptCacheRequest) -> PromptCacheFields:
+    """A request body's prompt_cache_key, prompt_cache_options and prompt_cache_retention, checked."""
     return prompt_cache_fields(body.prompt_cache_key, body.prompt_cache_options, body.prompt_cache_retention)

@@ -5,7 +5,8 @@
 (then the pipeline remembers the request), and turns an engine error into the dialect's error
 event. A dialect only frames: its `Framing` says what a choice's update becomes and how the
 opening, each chunk, an error and the closing are written (OpenAI's data lines ending in
-[DONE], Anthropic's named events)."""
+[DONE], Anthropic's named events). The closing is awaited: it may do I/O first (a Responses
+stream stores its response before its last event)."""
 from __future__ import annotations
 
 import json
@@ -40,7 +41,7 @@ class Framing(Protocol):
     def choice(self, update: ChoiceUpdate) -> Any: ...
     def chunk(self, pieces: list[Any], finished: Any) -> list[str]: ...
     def error(self, exc: APIError) -> list[str]: ...
-    def closing(self, last: list[RequestOutput], finished: Any) -> list[str]: ...
+    async def closing(self, last: list[RequestOutput], finished: Any) -> list[str]: ...
 
 
 async def relay(outputs: AsyncIterator[tuple[int, RequestOutput]], prompts: int, samples_per_prompt: int,
@@ -78,7 +79,7 @@ async def relay(outputs: AsyncIterator[tuple[int, RequestOutput]], prompts: int,
         for event in framing.error(exc):
             yield event
         return
-    for event in framing.closing([last[k] for k in sorted(last)], finished):
+    for event in await framing.closing([last[k] for k in sorted(last)], finished):
         yield event
 
 

@@ -1,6 +1,7 @@
 """Compiling this platform's kernels for a device: Triton's JIT on CUDA, its interpreter on the CPU.
 
-The kernels are written as plain functions (no `@triton.jit` at import) and compiled on first use. Which
+The kernels are written as plain functions (no `@triton.jit` at import) and compiled on first use; the
+device functions they call are `@triton.jit` when their module is imported, after `prepare`. Which
 of the two a process runs is Triton's choice at its import: `triton.language`'s own functions (tl.sum,
 tl.zeros, ...) are compiled or interpreted from TRITON_INTERPRET as it is then. So the first kernel for
 CPU tensors turns the interpreter on before Triton is imported (a process that already compiles for a GPU

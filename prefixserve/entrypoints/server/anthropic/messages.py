@@ -108,7 +108,7 @@ class _MessageFraming:
     def error(self, exc: APIError) -> list[str]:
         return [exc.anthropic_sse()]
 
-    def closing(self, last: list[RequestOutput], finished: Optional[Finished]) -> list[str]:
+    async def closing(self, last: list[RequestOutput], finished: Optional[Finished]) -> list[str]:
         (output,) = last
         stop_reason, stop_sequence = _stop(output.outputs[0])
         stop_reason = stop_reason_of(stop_reason, self.blocks.called)

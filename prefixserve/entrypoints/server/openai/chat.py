@@ -138,7 +138,7 @@ class _ChatFraming:
     def error(self, exc: APIError) -> list[str]:
         return [exc.sse(), DONE_EVENT]
 
-    def closing(self, last: list[RequestOutput], finished: Optional[Finished]) -> list[str]:
+    async def closing(self, last: list[RequestOutput], finished: Optional[Finished]) -> list[str]:
         events = []
         if last:
             self.call.warning_headers(last[0])  # logged: a stream's headers left before the pins existed

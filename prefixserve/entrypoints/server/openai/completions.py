@@ -133,7 +133,7 @@ class _CompletionFraming:
     def error(self, exc: APIError) -> list[str]:
         return [exc.sse(), DONE_EVENT]
 
-    def closing(self, last: list[RequestOutput], finished: Optional[Finished]) -> list[str]:
+    async def closing(self, last: list[RequestOutput], finished: Optional[Finished]) -> list[str]:
         events = []
         if self.body.include_usage_in_stream:
             usage = self._response([], Usage.of(TokenUsage.of(last)))

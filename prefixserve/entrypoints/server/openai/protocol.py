@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefixserve.entrypoints.server.fields import Shape, Unsupported
-from prefixserve.entrypoints.server.prompt_cache_fields import BREAKPOINT_KEYS, OPTIONS_KEYS
+from prefixserve.entrypoints.server.prompt_cache_fields import BREAKPOINT_KEYS, PromptCacheRequest
 from prefixserve.entrypoints.server.protocol import DiagnoseFields, StrictModel
 from prefixserve.entrypoints.server.usage import TokenUsage
 from prefixserve.sampling_params import SamplingParams
@@ -29,8 +29,9 @@ class StreamOptions(StrictModel):
     include_obfuscation: Optional[bool] = None
 
 
-class _GenerationRequest(DiagnoseFields):
-    """Fields both endpoints share: sampling, streaming and the prefixserve extensions."""
+class _GenerationRequest(DiagnoseFields, PromptCacheRequest):
+    """Fields both endpoints share: sampling, streaming, the caching fields (prompt_cache_fields.py)
+    and the prefixserve extensions."""
     model: Optional[str] = None
     n: int = 1
     temperature: Optional[float] = None
@@ -52,8 +53,6 @@ class _GenerationRequest(DiagnoseFields):
     stream_options: Optional[StreamOptions] = None
     # ignored: an end-user id for OpenAI's abuse monitoring
     user: Optional[str] = None
-    # Requests with different salts never share cached blocks (tenant isolation).
-    cache_salt: Optional[str] = None
     # Higher is more important: scheduled first, preempted and evicted last.
     priority: int = 0
 
@@ -95,13 +94,9 @@ class CompletionRequest(_GenerationRequest):
     best_of: Optional[int] = None
     # as on chat completions (one parser: tools.py response_format_of)
     response_format: Optional[dict[str, Any]] = None
-    # OpenAI's caching fields as on chat completions (prompt_cache_fields.py); a text prompt has
-    # no marks, so explicit mode writes nothing and retention has nothing to pin
-    prompt_cache_key: Optional[str] = None
-    prompt_cache_options: Optional[dict[str, Any]] = None
-    prompt_cache_retention: Optional[str] = None
-    field_keys: ClassVar[dict[str, Shape]] = {
-        "response_format": RESPONSE_FORMAT_KEYS, "prompt_cache_options": OPTIONS_KEYS}
+    # The caching fields mean what they mean on chat completions, but a text prompt has no marks:
+    # explicit mode writes nothing and retention has nothing to pin.
+    field_keys: ClassVar[dict[str, Shape]] = {"response_format": RESPONSE_FORMAT_KEYS}
 
 
 FUNCTION_KEYS: Shape = {"name": None, "arguments": None}
@@ -160,7 +155,6 @@ class ChatCompletionRequest(_GenerationRequest):
                   "function": {"name": None, "description": None, "parameters": None, "strict": None}},
         "tool_choice": {"type": None, "function": {"name": None}},
         "response_format": RESPONSE_FORMAT_KEYS,
-        "prompt_cache_options": OPTIONS_KEYS,
     }
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = None
@@ -183,10 +177,6 @@ class ChatCompletionRequest(_GenerationRequest):
     store: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
     service_tier: Optional[str] = None
-    # OpenAI's caching fields, mapped by prompt_cache_fields.py (checked there, naming the field)
-    prompt_cache_key: Optional[str] = None
-    prompt_cache_options: Optional[dict[str, Any]] = None
-    prompt_cache_retention: Optional[str] = None
     safety_identifier: Optional[str] = None
     reasoning_effort: Optional[str] = None
     verbosity: Optional[str] = None

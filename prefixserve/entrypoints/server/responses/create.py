@@ -74,7 +74,7 @@ async def create_response(body: Annotated[ResponsesRequest, Depends(json_body(Re
     done = await call.collect(request)
     (output,) = done.outputs
     completion = output.outputs[0]
-    response = turn.finish(output, output_items(call.tools, completion.text, completion.finish_reason))
+    response = await turn.finish(output, output_items(call.tools, completion.text, completion.finish_reason))
     extension = call.extension(done.outputs, done.diagnoses)
     if extension is not None:
         response["prefixserve"] = extension

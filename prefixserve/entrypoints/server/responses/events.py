@@ -102,7 +102,7 @@ class ResponseFraming:
     def error(self, exc: APIError) -> list[str]:
         return [self._event("error", code=exc.code, message=exc.message, param=exc.param)]
 
-    def closing(self, last: list[RequestOutput], finished: Optional[Finished]) -> list[str]:
+    async def closing(self, last: list[RequestOutput], finished: Optional[Finished]) -> list[str]:
         (output,) = last
         completion = output.outputs[0]
         status = "incomplete" if completion.finish_reason == "length" else "completed"
@@ -110,7 +110,7 @@ class ResponseFraming:
         if not self.items:
             events += self._add(message_item("", "in_progress"))
         events += self._close(status)
-        response = self.turn.finish(output, self.items)
+        response = await self.turn.finish(output, self.items)
         extension = self.turn.call.extension(last, finished.diagnoses if finished is not None else [None])
         if extension is not None:
             response["prefixserve"] = extension

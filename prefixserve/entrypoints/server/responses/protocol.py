@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Optional, Union
 
 from prefixserve.entrypoints.server.fields import Shape, Unsupported
-from prefixserve.entrypoints.server.prompt_cache_fields import BREAKPOINT_KEYS, OPTIONS_KEYS
+from prefixserve.entrypoints.server.prompt_cache_fields import BREAKPOINT_KEYS, PromptCacheRequest
 from prefixserve.entrypoints.server.protocol import DiagnoseFields, StrictModel
 
 # image and file parts are known, so that they are refused as unsupported parts, not unknown keys
@@ -46,7 +46,7 @@ class StreamOptions(StrictModel):
     include_obfuscation: Optional[bool] = None
 
 
-class ResponsesRequest(DiagnoseFields):
+class ResponsesRequest(DiagnoseFields, PromptCacheRequest):
     unsupported: ClassVar[dict[str, Unsupported]] = {
         "background": Unsupported("responses are generated while the request waits", _off),
         "conversation": Unsupported("conversations are continued by previous_response_id"),
@@ -63,7 +63,6 @@ class ResponsesRequest(DiagnoseFields):
         "input": ITEM_KEYS,
         "tools": TOOL_KEYS,
         "tool_choice": {"type": None, "name": None},
-        "prompt_cache_options": OPTIONS_KEYS,
     }
     model: Optional[str] = None
     input: Union[str, list[dict[str, Any]], None] = None
@@ -87,12 +86,7 @@ class ResponsesRequest(DiagnoseFields):
     service_tier: Optional[str] = None
     truncation: Optional[str] = None
     include: Optional[list[str]] = None
-    # OpenAI's caching parameters, mapped as on chat completions (prompt_cache_fields.py).
-    prompt_cache_key: Optional[str] = None
-    prompt_cache_retention: Optional[str] = None
-    prompt_cache_options: Optional[dict[str, Any]] = None
     # prefixserve extensions, as on the other endpoints.
     top_k: Optional[int] = None
     seed: Optional[int] = None
-    cache_salt: Optional[str] = None
     priority: int = 0
