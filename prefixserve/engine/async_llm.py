@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional, Sequence, T
 
 from prefixserve.engine.cached_contents import CachedContent
 from prefixserve.engine.client import until_finished
-from prefixserve.engine.intake import PromptInput
+from prefixserve.engine.intake import PromptInput, needs_preparing
 from prefixserve.engine.llm_engine import LLMEngine
 from prefixserve.engine.outputs import CachePin, EngineInfo, EngineStats, PinInfo, RequestOutput
 from prefixserve.errors import (DuplicateRequestError, EngineDeadError, EngineStepError, QueueFullError,
@@ -213,8 +213,9 @@ class AsyncLLM:
                 raise EngineDeadError("the engine is shutting down") from None
             # Raises InvalidRequestError when the grammar cannot be compiled: nothing is queued.
             grammar = await compiling
-        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+        if needs_preparing(prompt):
             # images are decoded, resized and hashed here, never on the engine thread or the event loop
+            # (the server's come prepared by its render process, a replica's by its front)
             prompt = await loop.run_in_executor(self._compiler, self.engine.prepare_images, prompt)
         stream = RequestStream(request_id, loop)
         accepted: concurrent.futures.Future[None] = concurrent.futures.Future()

@@ -23,6 +23,12 @@ from prefixserve.tokenizer import Tokenizer
 PromptInput = Union[str, list[int], dict[str, Any]]
 
 
+def needs_preparing(prompt: PromptInput) -> bool:
+    """Whether the prompt has images that are not yet PreparedImages."""
+    data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+    return isinstance(data, dict) and not isinstance(data.get("image"), PreparedImages)
+
+
 class Intake:
     def __init__(self, tokenizer: Tokenizer, *, vocab_size: int, max_model_len: int,
                  clock: Callable[[], float], grammar_compiler: Optional[GrammarCompiler] = None,
@@ -38,6 +44,9 @@ class Intake:
         self.clock = clock
         self._grammars = grammar_compiler
         self._grammars_lock = threading.Lock()  # compile_grammar runs on any thread
+        # images this engine decoded and processed itself (not those handed over as PreparedImages)
+        self.images_prepared = 0
+        self._count_lock = threading.Lock()
 
     def tokenize_prompt(self, prompt: PromptInput) -> tuple[Optional[str], list[int], Optional[str]]:
         """Returns (prompt text, prompt token ids, cache salt) for any accepted prompt form."""
@@ -86,8 +95,14 @@ class Intake:
         else:
             images = images if isinstance(images, (list, tuple)) else [images]
             self._check_count(len(images))
-            prepared = prepare_images(images, vision, param=f"{param}.image")
+            prepared = self._prepare(images, vision)
         return lambda token_ids: expand_prompt(token_ids, prepared, vision, param=f"{param}.image")
+
+    def _prepare(self, images: Sequence[object], vision: VisionConfig) -> list:
+        prepared = prepare_images(images, vision, param="multi_modal_data.image")
+        with self._count_lock:   # any thread may prepare
+            self.images_prepared += len(prepared)
+        return prepared
 
     def _check_count(self, count: int) -> None:
         limit = self.max_images_per_prompt
@@ -98,13 +113,13 @@ class Intake:
     def prepare_images(self, prompt: PromptInput) -> PromptInput:
         """The prompt with its images decoded, processed and hashed now (PreparedImages), so that
         adding it does none of that; thread-safe. A prompt without images comes back as it is."""
-        if not isinstance(prompt, dict) or not isinstance(prompt.get("multi_modal_data"), dict) \
-                or isinstance(prompt["multi_modal_data"].get("image"), PreparedImages) or self.vision is None:
+        if not needs_preparing(prompt) or self.vision is None:
             return prompt
+        assert isinstance(prompt, dict)
         images = prompt["multi_modal_data"].get("image")
         images = images if isinstance(images, (list, tuple)) else [images]
         self._check_count(len(images))
-        prepared = prepare_images(images, self.vision, param="multi_modal_data.image")
+        prepared = self._prepare(images, self.vision)
         return {**prompt, "multi_modal_data": {**prompt["multi_modal_data"], "image": PreparedImages(tuple(prepared))}}
 
     def compile_grammar(self, params: SamplingParams) -> Optional[Constraint]:

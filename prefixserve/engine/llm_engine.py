@@ -331,7 +331,8 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return engine_stats(self.scheduler, self.kv, self.runner, self.groups, weights_bytes=self._weights_bytes,
-                            dtype=self.info.dtype, kv_stores=self._kv_stores)
+                            dtype=self.info.dtype, kv_stores=self._kv_stores,
+                            images_prepared=self.intake.images_prepared)
 
     @property
     def kv_store_scope(self) -> Optional[str]:

@@ -175,6 +175,9 @@ class EngineStats:
     # a vision-language model's: images the vision tower encoded, images served from the encoder cache
     encoder_runs: int = 0
     encoder_cache_hits: int = 0
+    # images the engine decoded, resized and hashed itself; not those handed over prepared (the
+    # server's render process, the replicas' front)
+    images_prepared: int = 0
     # num_seats of each named tenant's requests, and one TenantStats per tenant the engine's
     # tenant_weights name (none without them)
     seats_by_tenant: dict = field(default_factory=dict)

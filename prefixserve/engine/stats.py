@@ -14,7 +14,7 @@ from prefixserve.worker.model_runner import ModelRunner
 
 def engine_stats(scheduler: Scheduler, kv_manager: KVCacheManager, runner: ModelRunner,
                  groups: SampleGroups, *, weights_bytes: int, dtype: str,
-                 kv_stores: Optional[KVStoreBridge]) -> EngineStats:
+                 kv_stores: Optional[KVStoreBridge], images_prepared: int = 0) -> EngineStats:
     s = scheduler.stats
     kv = kv_manager.stats()
     encoder = runner.encoder_cache
@@ -46,6 +46,7 @@ def engine_stats(scheduler: Scheduler, kv_manager: KVCacheManager, runner: Model
         kv_stores=tuple(kv_stores.stats()) if kv_stores is not None else (),
         encoder_runs=encoder.runs if encoder is not None else 0,
         encoder_cache_hits=encoder.hits if encoder is not None else 0,
+        images_prepared=images_prepared,
         seats_by_tenant=groups.seats_by_tenant() if scheduler.tenants.weights else {},
         tenants=_tenant_stats(scheduler, kv.evictions_by_tenant),
     )

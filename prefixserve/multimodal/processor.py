@@ -23,6 +23,17 @@ class ProcessedImage:
     grid_thw: tuple[int, int, int]     # (frames, patch rows, patch columns)
     num_tokens: int                    # placeholder tokens in the prompt: patches / merge^2
 
+    def __reduce__(self):
+        # By value, as a numpy array: the patches cross from the render process and to a replica
+        # through Ray, and a pickled torch tensor would go by torch's shared-memory handoff instead
+        # (a file in /dev/shm, whose room a container may not have, handed over by a live sender).
+        return _rebuilt, (self.pixel_values.numpy(), self.grid_thw, self.num_tokens)
+
+
+def _rebuilt(pixels: np.ndarray, grid_thw: tuple[int, int, int], num_tokens: int) -> ProcessedImage:
+    # Ray hands a numpy array over read-only (zero-copy), and torch wants to own writable memory
+    return ProcessedImage(torch.from_numpy(pixels if pixels.flags.writeable else pixels.copy()), grid_thw, num_tokens)
+
 
 def resized_size(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """(height, width): each a multiple of factor, area within [min_pixels, max_pixels] where the

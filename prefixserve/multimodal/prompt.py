@@ -20,7 +20,8 @@ IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 @dataclass(frozen=True)
 class PreparedImages:
     """A prompt's images already decoded, processed and hashed (prepare_images), so whoever adds the
-    request does none of that work: AsyncLLM prepares them off the engine thread."""
+    request does none of that work: the server's render process prepares them, the replicas' front
+    hands its own to the replica, and AsyncLLM prepares others off the engine thread."""
     items: tuple[tuple[bytes, ProcessedImage], ...]
 
 
@@ -29,28 +30,32 @@ def prepare_images(images: Sequence[object], vision: VisionConfig, *, param: str
                    max_pixels: int | None = None) -> list[tuple[bytes, ProcessedImage]]:
     """Decodes and processes each image (PIL image or encoded bytes, or a dict of one as "image" with its
     own "min_pixels" / "max_pixels", which replace the call's for it): (content hash, patches) each."""
-    out = []
-    for i, data in enumerate(images):
-        where = f"{param}[{i}]"
-        lo_asked, hi_asked = min_pixels, max_pixels
-        if isinstance(data, dict):
-            unknown = set(data) - {"image", "min_pixels", "max_pixels"}
-            if unknown or "image" not in data:
-                raise InvalidRequestError(f"an image given as a dict has 'image' and optionally 'min_pixels', "
-                                          f"'max_pixels'; got {sorted(data)}", param=where)
-            lo_asked, hi_asked = data.get("min_pixels", min_pixels), data.get("max_pixels", max_pixels)
-            for name, value in (("min_pixels", lo_asked), ("max_pixels", hi_asked)):
-                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                    raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}",
-                                              param=f"{where}.{name}")
-            data = data["image"]
-        image = decode_image(data, param=where, max_decoded_pixels=max_decoded_pixels)
-        processed = process_image(image, vision, param=where, min_pixels=lo_asked, max_pixels=hi_asked)
-        # the bounds the picture was resized within are in its hash: other bounds, another picture
-        lo = vision.min_pixels if lo_asked is None else max(vision.min_pixels, lo_asked)
-        hi = vision.max_pixels if hi_asked is None else min(vision.max_pixels, hi_asked)
-        out.append((image_content_hash(image, vision, lo, hi), processed))
-    return out
+    return [prepare_image(data, vision, param=f"{param}[{i}]", max_decoded_pixels=max_decoded_pixels,
+                          min_pixels=min_pixels, max_pixels=max_pixels) for i, data in enumerate(images)]
+
+
+def prepare_image(data: object, vision: VisionConfig, *, param: str,
+                  max_decoded_pixels: int = DEFAULT_MAX_DECODED_PIXELS, min_pixels: int | None = None,
+                  max_pixels: int | None = None) -> tuple[bytes, ProcessedImage]:
+    """One image of prepare_images: (content hash, patches); an error names `param`."""
+    lo_asked, hi_asked = min_pixels, max_pixels
+    if isinstance(data, dict):
+        unknown = set(data) - {"image", "min_pixels", "max_pixels"}
+        if unknown or "image" not in data:
+            raise InvalidRequestError(f"an image given as a dict has 'image' and optionally 'min_pixels', "
+                                      f"'max_pixels'; got {sorted(data)}", param=param)
+        lo_asked, hi_asked = data.get("min_pixels", min_pixels), data.get("max_pixels", max_pixels)
+        for name, value in (("min_pixels", lo_asked), ("max_pixels", hi_asked)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}",
+                                          param=f"{param}.{name}")
+        data = data["image"]
+    image = decode_image(data, param=param, max_decoded_pixels=max_decoded_pixels)
+    processed = process_image(image, vision, param=param, min_pixels=lo_asked, max_pixels=hi_asked)
+    # the bounds the picture was resized within are in its hash: other bounds, another picture
+    lo = vision.min_pixels if lo_asked is None else max(vision.min_pixels, lo_asked)
+    hi = vision.max_pixels if hi_asked is None else min(vision.max_pixels, hi_asked)
+    return image_content_hash(image, vision, lo, hi), processed
 
 
 def expand_prompt(token_ids: Sequence[int], images: Sequence[tuple[bytes, ProcessedImage]],

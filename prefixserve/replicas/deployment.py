@@ -17,6 +17,7 @@ import ray
 from ray import serve
 
 from prefixserve.engine import AsyncLLM, CachePin, EngineConfig, LLMEngine
+from prefixserve.multimodal.prompt import PreparedImages
 from prefixserve.replicas.deltas import DeltaEncoder
 from prefixserve.sampling_params import SamplingParams
 
@@ -64,10 +65,11 @@ class EngineReplica:
                        cache_pins: Sequence[CachePin] = (),
                        cache_write_limit: Optional[int] = None,
                        routing_key: Optional[str] = None,
-                       tenant: Optional[str] = None, images: Optional[list] = None,
+                       tenant: Optional[str] = None, images: Optional[PreparedImages] = None,
                        image_spans: tuple = ()) -> AsyncIterator:
         # routing_key and image_spans were read by the router (router.py) before this replica was
-        # chosen; images (PIL images or encoded bytes) are processed here to the hashes it routed by
+        # chosen; images come prepared by the front (their patches and the hashes it routed by), so
+        # the engine takes them as they are and no picture is processed twice
         self._ensure_publisher()
         prompt: dict = {"prompt_token_ids": list(token_ids)}
         if images:

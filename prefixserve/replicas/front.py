@@ -6,14 +6,14 @@ router.py) picks the replica. A request whose replica dies before it streamed an
 retried once (the router routes it afresh, and Ray Serve no longer offers the dead replica);
 one that already streamed ends with EngineError. Whole-service calls (reset) go to every
 replica the hub knows. Pins by id and the KV event feed live in one engine and are refused
-here. A prompt's images are decoded, resized and hashed here, off the event loop, as the engines
-will (multimodal/prompt.py with the replicas' vision settings, EngineInfo.vision): the router hashes
-the expanded prompt with each image's content hash in the blocks it overlaps, running no image code,
-and the chosen replica is handed the images as they came (decoded PIL images from the server, within
-its --max-image-bytes / --max-image-pixels caps, or encoded bytes), which it processes to the same
-hashes. A cached content is created on the replica the router picks for its tokens, and the
-front's directory (contents.py) sends its get, re-pin and delete there, and creates it again
-where the router now picks when that replica is gone.
+here. A prompt's images come prepared (decoded, resized, patched and hashed by the server's render
+process, within its --max-image-bytes / --max-image-pixels caps), or are prepared here, off the event
+loop, as the engines would (multimodal/prompt.py with the replicas' vision settings,
+EngineInfo.vision): the router hashes the expanded prompt with each image's content hash in the
+blocks it overlaps, running no image code, and the chosen replica's engine takes the prepared images
+as they are, so each picture is processed once. A cached content is created on the replica the
+router picks for its tokens, and the front's directory (contents.py) sends its get, re-pin and
+delete there, and creates it again where the router now picks when that replica is gone.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from ray.exceptions import RayError, RayTaskError
 from prefixserve.engine import CachedContent, CachePin, EngineInfo, EngineStats, PinInfo, RequestOutput
 from prefixserve.engine.client import until_finished
 from prefixserve.errors import EngineError, InvalidRequestError, NotFoundError, PrefixServeError
-from prefixserve.multimodal.prompt import expand_prompt, prepare_images
+from prefixserve.multimodal.prompt import PreparedImages, expand_prompt, prepare_images
 from prefixserve.replicas.contents import ContentDirectory, Placement
 from prefixserve.replicas.deltas import DeltaDecoder
 from prefixserve.replicas.deployment import ACCEPTED
@@ -215,8 +215,10 @@ class ReplicatedLLM:
             stream.on_final = lambda out: self._created(creating, stream.replica, out)
         return stream
 
-    async def _images(self, token_ids: list[int], data) -> tuple[list[int], list, tuple]:
-        """(the prompt expanded to its images' tokens, the images to forward, their spans)."""
+    async def _images(self, token_ids: list[int], data) -> tuple[list[int], PreparedImages, tuple]:
+        """(the prompt expanded to its images' tokens, the images prepared for the replica, their spans).
+        Each picture is decoded and processed once: here (or before, by the server's render process),
+        and the replica's engine takes the result as it is."""
         param = "multi_modal_data"
         vision = self.info.vision
         if vision is None:
@@ -224,10 +226,14 @@ class ReplicatedLLM:
         if not isinstance(data, dict) or set(data) - {"image"}:
             raise InvalidRequestError("multi_modal_data must be a dict with an 'image' entry", param=param)
         images = data.get("image")
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
-        prepared = await asyncio.to_thread(prepare_images, images, vision, param=f"{param}.image")
-        expanded, multimodal = expand_prompt(token_ids, prepared, vision, param=f"{param}.image")
-        return expanded, images, multimodal.image_spans
+        if isinstance(images, PreparedImages):
+            prepared = images
+        else:
+            images = list(images) if isinstance(images, (list, tuple)) else [images]
+            prepared = PreparedImages(tuple(await asyncio.to_thread(prepare_images, images, vision,
+                                                                    param=f"{param}.image")))
+        expanded, multimodal = expand_prompt(token_ids, prepared.items, vision, param=f"{param}.image")
+        return expanded, prepared, multimodal.image_spans
 
     def _created(self, creating: list[tuple[int, CachedContent]], replica: str,
                  output: Optional[RequestOutput]) -> None:
@@ -242,7 +248,7 @@ class ReplicatedLLM:
                     cache_salt: Optional[str], priority: int,
                     cache_pins: Sequence[CachePin], cache_write_limit: Optional[int] = None,
                     routing_key: Optional[str] = None, tenant: Optional[str] = None,
-                    images: Optional[list] = None, image_spans: tuple = ()) -> ReplicaStream:
+                    images: Optional[PreparedImages] = None, image_spans: tuple = ()) -> ReplicaStream:
         for attempt in (0, 1):
             # image_spans are the router's (router.py), images the replica's
             response = self._gen.remote(request_id=request_id, token_ids=token_ids, params=params,

@@ -2,7 +2,7 @@
 prefix-aware router. The front hashes each picture as the engines do and the router keys the blocks a
 picture overlaps by its hash: a second question on the same picture goes to the replica holding it and
 reads the picture from its cache; the same text with another picture shares no block past the
-picture's first."""
+picture's first. Each picture is processed once: the replicas' engines take the front's."""
 import base64
 import io
 
@@ -102,3 +102,7 @@ def test_the_same_picture_goes_to_its_holder_and_another_shares_nothing_past_it(
     assert cached(other) <= start // 16 * 16
     wait_until(lambda: sum(routing(front)["routed"].values()) == 3, what="the routers' reports")
     assert matched_blocks(front) - matched - matched_second == cached(other) // 16
+    # the replicas ran the vision tower on the pictures the front handed them, and processed none of
+    # them again (images_prepared counts what an engine decodes and processes itself)
+    wait_until(lambda: front.stats().encoder_runs >= 2, what="the replicas' published stats")
+    assert front.stats().images_prepared == 0

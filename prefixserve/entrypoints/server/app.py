@@ -61,7 +61,7 @@ def build_app(engine: Union[LLMEngine, AsyncLLM], config: ServerConfig = ServerC
                         explainer=MissExplainer(async_llm.tokenizer.decode,
                                                 max_requests=config.diagnose_max_requests),
                         renderer=RenderPool(async_llm.info.model, max_tokens=async_llm.max_model_len,
-                                           timeout_s=config.render_timeout_s),
+                                           timeout_s=config.render_timeout_s, vision=async_llm.info.vision),
                         request_log=(RequestLog(config.request_log, config.request_log_max_bytes)
                                      if config.request_log is not None else None))
 

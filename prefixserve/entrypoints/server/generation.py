@@ -13,6 +13,7 @@ from prefixserve.engine.outputs import CachePin, RequestOutput
 from prefixserve.entrypoints.server.config import ServerConfig
 from prefixserve.entrypoints.server.errors import APIError, api_error
 from prefixserve.entrypoints.server.metrics import RequestRecorder, ServerMetrics
+from prefixserve.multimodal.prompt import PreparedImages
 from prefixserve.sampling_params import SamplingParams
 
 
@@ -134,11 +135,12 @@ async def submit(async_llm: AsyncLLM, config: ServerConfig, metrics: ServerMetri
                  prompts: list[list[int]], params: SamplingParams, *, cache_salt: Optional[str],
                  priority: int, param: str, cache_pins: Sequence[CachePin] = (),
                  cache_write_limit: Optional[int] = None, routing_key: Optional[str] = None,
-                 renames: Optional[dict[str, str]] = None, images: Optional[list] = None,
+                 renames: Optional[dict[str, str]] = None, images: Optional[PreparedImages] = None,
                  tenant: Optional[str] = None) -> Generation:
     """Adds every prompt (for tenant, the caller's: its share of the queue, the steps and the
     cache); if any is refused, aborts the ones already added and raises APIError (a 429 is
-    counted against tenant). images: the decoded pictures of a chat prompt's image parts, in order."""
+    counted against tenant). images: a chat prompt's pictures, in the order of their parts, prepared
+    by the render process."""
     ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
     streams: list[RequestStream] = []
     try:

@@ -1,6 +1,8 @@
-"""Image parts -> decoded pictures, off the event loop: data: URLs and base64 always; http(s) URLs only
-from the allowed domains and file: URLs only under the allowed folder (both off unless the server is
-started with them), fetched with a timeout and a size cap. Each refusal is a 400 naming the part."""
+"""Image parts -> the engine's prepared images, never on the event loop: data: URLs and base64 always;
+http(s) URLs only from the allowed domains and file: URLs only under the allowed folder (both off unless
+the server is started with them), fetched with a timeout and a size cap on a worker thread of the server
+(fetch_images); decoding, resizing, patches and content hashes in the render process (prepare_images).
+Each refusal is a 400 naming the part."""
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +20,9 @@ from urllib.parse import unquote, urlsplit
 from PIL import Image
 
 from prefixserve.errors import InvalidRequestError
+from prefixserve.multimodal import VisionConfig
 from prefixserve.multimodal.image_decode import DEFAULT_MAX_DECODED_PIXELS, decode_image
+from prefixserve.multimodal.prompt import PreparedImages, prepare_image
 from prefixserve.prompt.conversation import ImageSource
 
 
@@ -82,35 +86,60 @@ def _local(url: str, where: str, config: MediaConfig) -> bytes:
 
 @dataclass(frozen=True)
 class LoadedImage:
-    """A decoded picture and what its encoded form was: the request log records the latter (never the
-    bytes), so that the lint can tell the same picture sent in another encoding from another picture."""
-    image: Image.Image
+    """What the request log records of a picture (never its bytes): its decoded size and what its
+    encoded form was, so that the lint can tell the same picture sent in another encoding from
+    another picture."""
+    width: int
+    height: int
     format: Optional[str]       # Pillow's name for the encoding: PNG, JPEG, ...
     encoded_bytes: int
     encoded_sha256: str         # of the encoded bytes, hex
 
 
-def load_image(source: ImageSource, config: MediaConfig) -> LoadedImage:
-    """One image part, fetched or decoded from the body, then decoded to RGB (blocking)."""
-    where, media_type = source.where, source.media_type
+# The scheme is read from a URL's head: a data URL may be megabytes, and urlsplit scans all of it.
+_SCHEME_HEAD = 64
+
+
+def _scheme(url: str) -> str:
+    return urlsplit(url[:_SCHEME_HEAD]).scheme.lower()
+
+
+def fetch_remote(source: ImageSource, config: MediaConfig) -> Optional[bytes]:
+    """An http(s) or file: image part's bytes, fetched within the server's rules (blocking); None for a
+    part whose bytes are in the body (a data URL, base64), which the render process reads."""
     if source.data is not None:
-        data = _base64(source.data, where, config.max_image_bytes)
-    else:
-        url = source.url or ""
-        scheme = urlsplit(url).scheme.lower()
-        if scheme == "data":
-            data, media_type = _data_url(url, where, config.max_image_bytes)
-        elif scheme in ("http", "https"):
-            data = _http(url, where, config)
-        elif scheme == "file":
-            data = _local(url, where, config)
-        else:
-            raise InvalidRequestError(f"image URL scheme {scheme!r} is not supported (data:, http(s):, file:)",
-                                      param=where)
-    image = decode_image(data, param=where, media_type=media_type, max_decoded_pixels=config.max_image_pixels)
+        return None
+    url = source.url or ""
+    scheme = _scheme(url)
+    if scheme in ("http", "https"):
+        return _http(url, source.where, config)
+    if scheme == "file":
+        return _local(url, source.where, config)
+    return None
+
+
+def _encoded(source: ImageSource, config: MediaConfig, fetched: Optional[bytes]) -> tuple[bytes, Optional[str]]:
+    """(the encoded image, the media type it was sent as)."""
+    where, media_type = source.where, source.media_type
+    if fetched is not None:
+        return fetched, media_type
+    if source.data is not None:
+        return _base64(source.data, where, config.max_image_bytes), media_type
+    url = source.url or ""
+    scheme = _scheme(url)
+    if scheme == "data":
+        return _data_url(url, where, config.max_image_bytes)
+    raise InvalidRequestError(f"image URL scheme {scheme!r} is not supported (data:, http(s):, file:)", param=where)
+
+
+def load_image(source: ImageSource, config: MediaConfig,
+               fetched: Optional[bytes] = None) -> tuple[Image.Image, LoadedImage]:
+    """One image part decoded to RGB from the body or its fetched bytes (blocking), and its record."""
+    data, media_type = _encoded(source, config, fetched)
+    image = decode_image(data, param=source.where, media_type=media_type, max_decoded_pixels=config.max_image_pixels)
     with Image.open(io.BytesIO(data)) as header:   # decode_image's result is converted: no format left
         encoding = header.format
-    return LoadedImage(image, encoding, len(data), hashlib.sha256(data).hexdigest())
+    return image, LoadedImage(image.width, image.height, encoding, len(data), hashlib.sha256(data).hexdigest())
 
 
 # OpenAI's detail "low": at most 256 image tokens of 28x28 pixels (Qwen2-VL's own suggestion of a small
@@ -135,9 +164,28 @@ def pixel_bounds(source: ImageSource, model_min: int, model_max: int) -> Optiona
     return {"min_pixels": lo, "max_pixels": hi}
 
 
-async def load_images(sources: Sequence[ImageSource], config: MediaConfig, param: str) -> list[LoadedImage]:
-    """Every image part of a request, decoded on a worker thread; the count is checked first."""
+async def fetch_images(sources: Sequence[ImageSource], config: MediaConfig, param: str) -> list[Optional[bytes]]:
+    """The fetched bytes of every http(s) or file: image part (None for the others), on a worker thread;
+    the count is checked first. Decoding is the render process's (prepare_images)."""
     if config.max_images is not None and len(sources) > config.max_images:
         raise InvalidRequestError(f"{len(sources)} images in one request; at most {config.max_images} allowed "
                                   "(--limit-mm-per-prompt)", param=param)
-    return await asyncio.to_thread(lambda: [load_image(s, config) for s in sources])
+    if all(s.data is not None or _scheme(s.url or "") not in ("http", "https", "file") for s in sources):
+        return [None] * len(sources)
+    return await asyncio.to_thread(lambda: [fetch_remote(s, config) for s in sources])
+
+
+def prepare_images(sources: Sequence[ImageSource], fetched: Sequence[Optional[bytes]],
+                   bounds: Sequence[Optional[dict[str, int]]], config: MediaConfig,
+                   vision: VisionConfig) -> tuple[PreparedImages, tuple[LoadedImage, ...]]:
+    """Every image part decoded, resized within its bounds (pixel_bounds), patched and hashed, as the
+    engine takes them, with what the log records of each. CPU-heavy and holding the GIL in parts: the
+    render process runs it (prompting/render_pool.py), never the server's."""
+    items, records = [], []
+    # one at a time, each error naming its part
+    for source, data, bound in zip(sources, fetched, bounds):
+        image, record = load_image(source, config, data)
+        items.append(prepare_image(image if bound is None else {"image": image, **bound}, vision,
+                                   param=source.where, max_decoded_pixels=config.max_image_pixels))
+        records.append(record)
+    return PreparedImages(tuple(items)), tuple(records)

@@ -21,7 +21,7 @@ from prefixserve.entrypoints.server.diagnosis import LiveDiagnosis, diagnose_ask
 from prefixserve.entrypoints.server.auth import ANONYMOUS, Principal
 from prefixserve.entrypoints.server.errors import APIError, api_error
 from prefixserve.entrypoints.server.generation import Generation, submit
-from prefixserve.entrypoints.server.media import LoadedImage, load_images, pixel_bounds
+from prefixserve.entrypoints.server.media import LoadedImage, fetch_images, pixel_bounds
 from prefixserve.entrypoints.server.prompt_cache_fields import PromptCacheFields
 from prefixserve.entrypoints.server.prompting.bodies import ConversationSource
 from prefixserve.entrypoints.server.prompting.pins import unix_time, warning_headers
@@ -32,6 +32,7 @@ from prefixserve.entrypoints.server.state import ServerState, get_state, new_id,
 from prefixserve.entrypoints.server.streaming import EventStream, Framing, relay
 from prefixserve.entrypoints.server.tools import ChatTools
 from prefixserve.errors import InvalidRequestError
+from prefixserve.multimodal.prompt import PreparedImages
 from prefixserve.sampling_params import SamplingParams
 
 
@@ -186,8 +187,8 @@ async def start(request: Request, ask: GenerationRequest) -> Call:
                                         template_kwargs=ask.prompt.template_kwargs,
                                         with_spans=wanted is not None)
         prompts = [prepared.token_ids]
-        images = None
-        loaded: list[LoadedImage] = []
+        images: Optional[PreparedImages] = None
+        loaded: tuple[LoadedImage, ...] = ()
         if prepared.rendered.images:
             if not state.async_llm.info.takes_images:
                 part = prepared.rendered.images[0].part
@@ -195,11 +196,13 @@ async def start(request: Request, ask: GenerationRequest) -> Call:
                                           code="unsupported")
             vision = state.async_llm.info.vision
             assert vision is not None   # takes_images
-            bounds = [pixel_bounds(source, vision.min_pixels, vision.max_pixels) for source in prepared.rendered.images]
-            loaded = await load_images(prepared.rendered.images, state.config.media, ask.param)
-            images = [item.image if b is None else {"image": item.image, **b} for item, b in zip(loaded, bounds)]
+            sources = prepared.rendered.images
+            bounds = [pixel_bounds(source, vision.min_pixels, vision.max_pixels) for source in sources]
+            fetched = await fetch_images(sources, state.config.media, ask.param)
+            # decoded, resized, patched and hashed in the render process: the engine takes them as they are
+            images, loaded = await state.renderer.prepare_images(sources, fetched, bounds, state.config.media)
     else:
-        images, loaded = None, []
+        images, loaded = None, ()
         prompts = await encode_prompts(state, ask.prompt.prompt)
     sender = principal(request)
     try:
@@ -223,4 +226,4 @@ async def start(request: Request, ask: GenerationRequest) -> Call:
     # The body dependency has read it already: Starlette keeps it on the request.
     raw_body = await request.body() if state.request_log is not None else None
     return Call(state, gen, prepared, live, tools, created=int(time.time()), arrived=arrived,
-                tenant=sender.tenant, raw_body=raw_body, sender=sender, images=tuple(loaded))
+                tenant=sender.tenant, raw_body=raw_body, sender=sender, images=loaded)

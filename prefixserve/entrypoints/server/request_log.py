@@ -134,7 +134,7 @@ class RequestLog:
 def logged_images(loaded: Sequence[Any], spans: Sequence[tuple[bytes, int, int]]) -> tuple[dict[str, Any], ...]:
     """What the log records of each image (media.LoadedImage, in part order) and its span in the prompt
     the engine ran (RequestOutput.image_spans, (content hash, first token, tokens), in the same order)."""
-    return tuple({"hash": digest.hex(), "width": item.image.width, "height": item.image.height,
+    return tuple({"hash": digest.hex(), "width": item.width, "height": item.height,
                   "tokens": length, "format": item.format, "bytes": item.encoded_bytes,
                   "sha256": item.encoded_sha256}
                  for item, (digest, _, length) in zip(loaded, sorted(spans, key=lambda s: s[1])))

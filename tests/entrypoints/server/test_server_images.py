@@ -4,6 +4,7 @@ question about the same picture, in the cached tokens; each bad image is a 400 n
 the server keeps serving."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import struct
@@ -16,7 +17,7 @@ import pytest
 from live_server import LiveServer, metrics
 from PIL import Image
 
-from prefixserve import EngineConfig, LLMEngine
+from prefixserve import EngineConfig, LLMEngine, SamplingParams
 from prefixserve.entrypoints.server.app import build_app
 from prefixserve.entrypoints.server.config import ServerConfig
 from prefixserve.entrypoints.server.media import MediaConfig
@@ -261,3 +262,39 @@ def test_anthropic_image_block_takes_a_pixel_budget(http: httpx.Client) -> None:
             image, vision, max_pixels=100_000).num_tokens
     bad = ask(max_pixels=0)
     assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("messages[0].content[0].max_pixels")
+
+
+def test_the_render_process_prepares_the_pictures(server: LiveServer, http: httpx.Client) -> None:
+    """A server request's pictures reach the engine prepared by the render process: the engine decodes
+    and processes none of them itself, yet the model runs on them. The same picture added in-process as
+    a PIL image is prepared by the engine, and counted: the count is what would show a server request
+    whose pictures the engine processed again."""
+    def engine_stats():
+        return server.in_engine(lambda engine: engine.stats())
+    before = engine_stats()
+    r = chat(http, [image_part(data_url(encoded(picture(50)))), image_part(data_url(encoded(picture(51))))])
+    assert r.status_code == 200, r.text
+    after = engine_stats()
+    assert after.encoder_runs == before.encoder_runs + 2
+    assert after.images_prepared == before.images_prepared
+
+    async def offline() -> None:
+        stream = await server.async_llm.add_request(
+            "offline-picture", {"prompt": "<|vision_start|><|image_pad|><|vision_end|>What is it?",
+                                "multi_modal_data": {"image": [picture(52)]}}, SamplingParams(max_tokens=1))
+        async for _ in stream:
+            pass
+    asyncio.run(offline())
+    assert engine_stats().images_prepared == after.images_prepared + 1
+
+
+def test_a_picture_the_processor_refuses_is_a_400_naming_its_part(http: httpx.Client) -> None:
+    """Refused while being processed (in the render process), not while being decoded: the error names
+    the part, as a decoding error does, and the server goes on."""
+    sliver = picture(53, (1, 300))   # an aspect ratio of 300, over the processor's 200
+    r = chat(http, [image_part(data_url(encoded(picture(54)))), image_part(data_url(encoded(sliver)))])
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages[0].content[1].image_url.url", error
+    assert "aspect ratio" in error["message"]
+    assert chat(http, [image_part(data_url(encoded(picture(54))))]).status_code == 200

@@ -16,6 +16,12 @@ class, field and code. The child is also the
 sandbox for templates: a rendering that runs past its time is killed with the child (a new
 one starts), its address space is capped, and a prompt that cannot fit the model is refused
 there, before its token ids are sent back.
+
+A vision-language model's pictures are prepared here too (media.prepare_images): decoding, the
+processor's resizing, patches and content hashes held the GIL for tens of milliseconds per
+megapixel in the server process. The child gets the model's image settings when it starts, as it
+gets the tokenizer, and sends back what the engine takes (PreparedImages: the patches as numpy
+arrays, the hashes, the token counts) and what the request log records of each picture.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ import uuid
 from collections import OrderedDict
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from pydantic import BaseModel
 
@@ -37,6 +43,11 @@ from prefixserve.entrypoints.server.prompting.bodies import (CHAT_KINDS, ChatKin
 from prefixserve.entrypoints.server.validation import BodyLimits
 from prefixserve.errors import InvalidRequestError, PromptTooLongError
 from prefixserve.prompt import Breakpoint, Conversation, PromptRenderer, Span
+from prefixserve.prompt.conversation import ImageSource
+
+if TYPE_CHECKING:  # media imports torch: a text model's child never loads it
+    from prefixserve.entrypoints.server.media import LoadedImage, MediaConfig
+    from prefixserve.multimodal.prompt import PreparedImages
 
 LOWEST_PRIORITY = 19
 # No token of any tokenizer here is longer: a text longer than this many characters per token
@@ -49,6 +60,7 @@ MAX_PARSED = 16
 _tokenizer = None  # the child's own tokenizer, loaded by _start
 _max_tokens = 0
 _parsed: OrderedDict[str, Conversation] = OrderedDict()
+_vision = None  # the model's image settings (None: a text model), set by _start
 
 
 @dataclass(frozen=True)
@@ -61,8 +73,8 @@ class RenderedChat:
     images: tuple = ()
 
 
-def _start(model: str, max_tokens: int, chat_kinds: dict[str, ChatKind]) -> None:
-    global _tokenizer, _max_tokens
+def _start(model: str, max_tokens: int, chat_kinds: dict[str, ChatKind], vision: Any = None) -> None:
+    global _tokenizer, _max_tokens, _vision
     # Ctrl-C in a terminal reaches the whole process group: the server shuts the child down
     # itself, and a KeyboardInterrupt traceback from here would only be noise.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -78,6 +90,13 @@ def _start(model: str, max_tokens: int, chat_kinds: dict[str, ChatKind]) -> None
     _tokenizer = load_tokenizer(model)
     _max_tokens = max_tokens
     CHAT_KINDS.update(chat_kinds)  # a spawned child has imported no dialect to register them
+    _vision = vision
+    if vision is not None:
+        # imported now, not in a request's time; one thread: the child takes what the engine leaves
+        import torch
+
+        from prefixserve.entrypoints.server import media  # noqa: F401
+        torch.set_num_threads(1)
 
 
 def _check_fits_length(chars: int, param: str) -> None:
@@ -152,6 +171,14 @@ def _encode(texts: list[str], add_special_tokens: bool) -> list[list[int]]:
     return encoded
 
 
+def _prepare_images(sources: tuple[ImageSource, ...], fetched: list[Optional[bytes]],
+                    bounds: list[Optional[dict[str, int]]], config: MediaConfig) -> tuple:
+    from prefixserve.entrypoints.server.media import prepare_images
+    if _vision is None:
+        raise InvalidRequestError("this model takes no images", param=sources[0].part if sources else None)
+    return prepare_images(sources, fetched, bounds, config, _vision)
+
+
 def _ready() -> bool:
     return _tokenizer is not None
 
@@ -159,8 +186,11 @@ def _ready() -> bool:
 class RenderPool:
     """One child process (started on first use) that renders and tokenizes for one server."""
 
-    def __init__(self, model: str, *, max_tokens: int, timeout_s: float, processes: int = 1) -> None:
+    def __init__(self, model: str, *, max_tokens: int, timeout_s: float, processes: int = 1,
+                 vision: Any = None) -> None:
+        """vision: the model's image settings (EngineInfo.vision), for preparing its pictures."""
         self.model = model
+        self.vision = vision
         self.max_tokens = max_tokens
         self.timeout_s = timeout_s
         self.processes = processes
@@ -173,7 +203,7 @@ class RenderPool:
             # would copy mid-flight.
             self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=_start,
-                                             initargs=(self.model, self.max_tokens, dict(CHAT_KINDS)))
+                                             initargs=(self.model, self.max_tokens, dict(CHAT_KINDS), self.vision))
             self._started = self._pool.submit(_ready)
             # Lowered from here, not only by the child itself: its start (an interpreter, then
             # imports) runs before _start, and at normal priority it stalled the engine's
@@ -185,17 +215,19 @@ class RenderPool:
                     pass
         return self._pool
 
-    async def _call(self, fn, *args: Any) -> Any:
+    async def _call(self, fn, *args: Any, timeout_s: Optional[float] = None,
+                    what: str = "rendering this request") -> Any:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         pool = self._executor()
         # A child's start (imports, the tokenizer) is not the request's time: the clock starts
         # once the child is up.
         await asyncio.wrap_future(self._started)
         future = pool.submit(fn, *args)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         except asyncio.TimeoutError:
             self._kill()
-            raise InvalidRequestError(f"rendering this request took longer than {self.timeout_s:g} s",
+            raise InvalidRequestError(f"{what} took longer than {timeout_s:g} s",
                                       param="messages", code="render_timeout") from None
 
     def _kill(self) -> None:
@@ -228,6 +260,17 @@ class RenderPool:
 
     async def encode(self, texts: list[str], *, add_special_tokens: bool) -> list[list[int]]:
         return await self._call(_encode, texts, add_special_tokens)
+
+    async def prepare_images(self, sources: tuple[ImageSource, ...], fetched: list[Optional[bytes]],
+                             bounds: list[Optional[dict[str, int]]], config: MediaConfig
+                             ) -> tuple[PreparedImages, tuple[LoadedImage, ...]]:
+        """A prompt's image parts (with the bytes fetched for URL parts, media.fetch_images, and each
+        part's resizing bounds) decoded, processed and hashed: media.prepare_images, in the child.
+        Each picture's work is bounded (the byte and pixel caps): the timeout, per picture, only
+        catches a child that is stuck."""
+        return await self._call(_prepare_images, sources, fetched, bounds, config,
+                                timeout_s=self.timeout_s * max(1, len(sources)),
+                                what="preparing this request's images")
 
     def shutdown(self) -> None:
         if self._pool is not None:
