@@ -7,7 +7,8 @@ import argparse
 import pytest
 
 from prefixserve.benchmarks import cli
-from prefixserve.benchmarks.tenants_flood import (FloodConfig, Record, _median_of, _summary, engine_steps_run,
+from prefixserve.benchmarks.tenants_flood import (FloodConfig, Record, _median_of, _summary, _ttft_targets,
+                                                 engine_steps_run,
                                                  to_markdown)
 
 
@@ -50,3 +51,25 @@ def test_engine_steps_serve_every_flood_token_and_time_only_a_quiet_that_sends(q
         assert r["run"] == f"on, quiet {quiet}" and r["quiet_steps_p50"] is None
         row = to_markdown({"cpu": "x", "config": cfg.__dict__, "flood": [], "single": [], "engine_steps": [r]})
         assert f"| on, quiet {quiet} | – | – | {r['steps']} | {r['flood_tokens']} |" in row
+
+
+def test_the_ttft_targets_are_judged_on_the_fair_row_of_the_run():
+    def row(quiet_ttft: float) -> dict:
+        return {"run": "flood, fair + shares", "quiet": {"ttft_p50_ms": quiet_ttft, "gap_p50_ms": 6.0},
+                "flood": {"ttft_p50_ms": 48.0}}
+    (met,) = _ttft_targets([{"run": "quiet solo"}, row(11.9)])
+    assert "two step times 12.0 ms (met)" in met and "TTFT p50 12.0 ms (met)" in met
+    (missed,) = _ttft_targets([row(12.5)])
+    assert "12.0 ms (not met)" in missed and missed.count("not met") == 2
+    assert _ttft_targets([{"run": "quiet solo"}]) == []
+
+
+def test_a_flood_only_report_has_the_flood_table_and_its_targets_only():
+    cfg = FloodConfig(max_num_batched_tokens=512, flood_only=True)
+    quiet = {"sent": 4, "done": 4, "refused": 0, "ttft_p50_ms": 100.0, "ttft_p99_ms": 150.0, "hit_rate": 0.9,
+             "gap_p50_ms": 80.0}
+    flood = {"sent": 40, "done": 10, "refused": 30, "ttft_p50_ms": 900.0, "served_tok_per_s": 500.0}
+    text = to_markdown({"cpu": "x", "config": cfg.__dict__, "single": [], "engine_steps": [],
+                        "flood": [{"run": "flood, fair + shares", "quiet": quiet, "flood": flood}]})
+    assert "step budget 512 tokens" in text and "Targets (fair + shares)" in text
+    assert "Single tenant" not in text and "engine driven step by step" not in text
