@@ -385,6 +385,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--duration", type=float, default=FloodConfig.duration_s, help="seconds of arrivals")
     p.add_argument("--quiet-rate", type=float, default=FloodConfig.quiet_rate, help="quiet requests/s")
     p.add_argument("--repeats", type=int, default=FloodConfig.repeats, help="runs of each configuration")
+    p.add_argument("--max-waiting", type=int, default=FloodConfig.max_waiting,
+                   help="the servers' --max-waiting (each of the three keys' share is a third)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the servers' step token budget")
     p.add_argument("--flood-only", action="store_true",
                    help="the flood table only (no single-tenant or engine-step table)")
@@ -392,7 +394,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--markdown", type=Path, metavar="OUT")
     args = p.parse_args(argv)
     cfg = FloodConfig(model=args.model, threads=args.threads, duration_s=args.duration, quiet_rate=args.quiet_rate,
-                      repeats=args.repeats, max_num_batched_tokens=args.max_num_batched_tokens,
+                      repeats=args.repeats, max_waiting=args.max_waiting,
+                      max_num_batched_tokens=args.max_num_batched_tokens,
                       flood_only=args.flood_only)
     text, data = run_tenants_flood(cfg)
     print(text)
