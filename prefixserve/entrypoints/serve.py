@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the server answers 429 with Retry-After, so no more than this many can "
                         "ever wait, preempted ones included (default: %(default)s)")
     g.add_argument("--retry-after", dest="retry_after_s", type=int, default=1,
-                   help="seconds a 429 tells the client to wait (default: %(default)s)")
+                   help="seconds a 429 or 503 tells the client to wait (default: %(default)s)")
     g.add_argument("--max-pinned-fraction", type=float, default=EngineConfig.max_pinned_fraction,
                    help="share of the KV pool that cache_control pins and cached contents may "
                         "hold, so pins cannot starve live requests (default: %(default)s)")

@@ -18,7 +18,8 @@ class ServerConfig:
     # 429. Any of them may have to wait (a preempted one too), so the waiting queue never holds
     # more. None: unbounded (only sensible behind something else that bounds load).
     max_waiting: Optional[int] = 1024
-    # Seconds a client is told to wait (Retry-After) when the waiting queue is full.
+    # Seconds a client is told to wait (Retry-After) when the waiting queue is full (429) or the
+    # server cannot serve the request now (503: no room, the engine stopped, the response store down).
     retry_after_s: int = 1
     # Completions' max_tokens when the request gives none (OpenAI's default); chat has no default
     # and may generate up to max_model_len.

@@ -11,7 +11,7 @@ a request) gets no series, so no request can make the server grow a label.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Literal, Optional, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -20,6 +20,9 @@ from prometheus_client.registry import Collector
 from prefixserve.engine.outputs import EngineStats, RequestOutput
 
 P = "prefixserve:"
+# What a response store failure was counted in: storing a response, reading one (a
+# previous_response_id, a GET, the input items) or deleting one.
+StoreOperation = Literal["write", "read", "delete"]
 
 # Seconds; like vLLM's buckets, fine at the low end where a prefix hit lands.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -161,9 +164,13 @@ class ServerMetrics:
                                 labels + ["tenant"], registry=self.registry)
         for tenant in sorted(tenants):
             self._refused.labels(model_name, tenant)   # every tenant's series from the start, at 0
-        self._not_stored = Counter(P + "response_store_write_errors",
-                                   "Responses answered but not stored: the response store's write failed.",
-                                   labels, registry=self.registry).labels(model_name)
+        self._store_errors = Counter(
+            P + "response_store_errors",
+            "Response store failures by operation: write, a response answered but not stored; read "
+            "and delete, a request answered 503 because the store was unreachable.",
+            labels + ["operation"], registry=self.registry)
+        for operation in get_args(StoreOperation):
+            self._store_errors.labels(model_name, operation)   # each series from the start, at 0
 
     def recorder(self) -> RequestRecorder:
         return RequestRecorder(self)
@@ -171,9 +178,10 @@ class ServerMetrics:
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
 
-    def response_not_stored(self) -> None:
-        """A /v1/responses response was answered, but the response store could not keep it."""
-        self._not_stored.inc()
+    def response_store_failed(self, operation: StoreOperation) -> None:
+        """The response store failed a write (a response answered but not kept) or, unreachable,
+        a read or a delete (the request answered 503)."""
+        self._store_errors.labels(self.model_name, operation).inc()
 
     def refused(self, tenant: Optional[str]) -> None:
         """A request of tenant's was answered 429."""

@@ -10,6 +10,11 @@ drops that tenant's oldest responses, never another tenant's. Every response exp
 after it was stored. A tenant's responses live under a digest of its name, so no id of one
 tenant can be read, listed or deleted under another; an id that is not one this server makes
 (`resp_` and 32 hex digits) is simply not found, and never reaches a path or a key.
+
+A store that cannot be reached raises ResponseStoreUnavailable: each backend names the
+exceptions that mean its store is down rather than wrong (Redis refusing or timing out, a file
+store's I/O failing), so the HTTP layer answers them as a 503 to retry, and anything else (a
+corrupt record, a bug) stays an internal error.
 """
 from __future__ import annotations
 
@@ -21,9 +26,10 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 from urllib.parse import urlsplit
 
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
@@ -34,8 +40,16 @@ def tenant_key(tenant: Optional[str]) -> str:
     return hashlib.sha256(json.dumps(["tenant", tenant]).encode()).hexdigest()[:32]
 
 
+class ResponseStoreUnavailable(Exception):
+    """The store could not be reached; its message is the backend's cause, for the log only
+    (a client is told no more than that the store is unavailable: a URL can hold a password)."""
+
+
 class Backend(Protocol):
-    """Bytes under (tenant key, response id), oldest first in `entries`."""
+    """Bytes under (tenant key, response id), oldest first in `entries`. `outages`: what its
+    methods raise when the store is unreachable, as opposed to wrong."""
+    outages: tuple[type[BaseException], ...]
+
     def put(self, tenant: str, rid: str, data: bytes, now: float) -> None: ...
     def get(self, tenant: str, rid: str) -> Optional[bytes]: ...
     def delete(self, tenant: str, rid: str) -> bool: ...
@@ -43,6 +57,8 @@ class Backend(Protocol):
 
 
 class MemoryBackend:
+    outages: tuple[type[BaseException], ...] = ()
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tenants: dict[str, OrderedDict[str, tuple[bytes, float]]] = {}
@@ -67,7 +83,11 @@ class MemoryBackend:
 
 class FileBackend:
     """DIR/<tenant key>/<id>.json, written to a temporary file and renamed into place (a reader
-    or a crash never sees half a response); a file's mtime is when it was stored."""
+    or a crash never sees half a response); a file's mtime is when it was stored. Any OSError
+    but a missing response's is an outage: an unmounted or failing volume, a full disk, lost
+    permissions."""
+
+    outages: tuple[type[BaseException], ...] = (OSError,)
 
     def __init__(self, root: str) -> None:
         self.root = Path(root)
@@ -121,9 +141,22 @@ class RedisBackend:
     """One key per response (expiring by itself) and a sorted set per tenant of its ids by the
     time they were stored; ids whose key has expired leave the set when the tenant next stores."""
 
+    outages: tuple[type[BaseException], ...]
+
     def __init__(self, url: str, ttl_s: float) -> None:
         import redis
-        self._client = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0)
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # One retry, at once: a connection Redis dropped (at its restart) is replaced, and a Redis
+        # that is down fails the request now (a 503 with Retry-After) instead of after seconds
+        # of the client's backoff, which would hold the request and a worker thread meanwhile.
+        once = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+        self._client = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0, retry=once,
+                                            retry_on_error=[redis.ConnectionError])
+        # refused, reset, timed out, still loading its data, refusing our credentials: down, not
+        # wrong (an error Redis answers, such as a key of the wrong type, is no outage)
+        self.outages = (redis.ConnectionError, redis.TimeoutError)
         self._ttl_ms = max(1, int(ttl_s * 1000))
 
     def _key(self, tenant: str, rid: str) -> str:
@@ -187,6 +220,13 @@ class ResponseStore:
             return cls(RedisBackend(url, bounds.ttl_s), bounds, url)
         raise ValueError(f"--response-store must be a mem://, file:/// or redis:// URL, got {url!r}")
 
+    @contextmanager
+    def _reaching(self) -> Iterator[None]:
+        try:
+            yield
+        except self.backend.outages as exc:
+            raise ResponseStoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
     def put(self, tenant: Optional[str], record: dict[str, Any]) -> bool:
         """Stores `record` (its "id" a response id) as the tenant's newest; False when it alone
         is larger than a tenant may hold (then nothing is stored)."""
@@ -194,36 +234,42 @@ class ResponseStore:
         data = json.dumps({**record, "stored_at": now}, separators=(",", ":")).encode()
         if len(data) > self.bounds.max_bytes:
             return False
-        self.backend.put(key, record["id"], data, now)
-        entries = self.backend.entries(key)
-        total = sum(size for _, size, _ in entries)
-        for rid, size, at in entries:  # oldest first
-            expired = at + self.bounds.ttl_s <= now
-            over = len(entries) > self.bounds.max_responses or total > self.bounds.max_bytes
-            if rid == record["id"] or not (expired or over):
-                continue
-            if self.backend.delete(key, rid):
-                total -= size
-            entries = [e for e in entries if e[0] != rid]
+        with self._reaching():
+            self.backend.put(key, record["id"], data, now)
+            entries = self.backend.entries(key)
+            total = sum(size for _, size, _ in entries)
+            for rid, size, at in entries:  # oldest first
+                expired = at + self.bounds.ttl_s <= now
+                over = len(entries) > self.bounds.max_responses or total > self.bounds.max_bytes
+                if rid == record["id"] or not (expired or over):
+                    continue
+                if self.backend.delete(key, rid):
+                    total -= size
+                entries = [e for e in entries if e[0] != rid]
         return True
 
     def get(self, tenant: Optional[str], rid: str) -> Optional[dict[str, Any]]:
         """The tenant's response `rid`, or None (unknown, expired, another tenant's)."""
         if not RESPONSE_ID.fullmatch(rid):
             return None
-        data = self.backend.get(tenant_key(tenant), rid)
-        if data is None:
-            return None
-        record = json.loads(data)
-        if record["stored_at"] + self.bounds.ttl_s <= self.clock():
-            self.backend.delete(tenant_key(tenant), rid)
-            return None
+        with self._reaching():
+            data = self.backend.get(tenant_key(tenant), rid)
+            if data is None:
+                return None
+            record = json.loads(data)
+            if record["stored_at"] + self.bounds.ttl_s <= self.clock():
+                self.backend.delete(tenant_key(tenant), rid)
+                return None
         return record
 
     def delete(self, tenant: Optional[str], rid: str) -> bool:
-        return bool(RESPONSE_ID.fullmatch(rid)) and self.backend.delete(tenant_key(tenant), rid)
+        if not RESPONSE_ID.fullmatch(rid):
+            return False
+        with self._reaching():
+            return self.backend.delete(tenant_key(tenant), rid)
 
     def usage(self, tenant: Optional[str]) -> tuple[int, int]:
         """(responses, bytes) the tenant holds now."""
-        entries = self.backend.entries(tenant_key(tenant))
+        with self._reaching():
+            entries = self.backend.entries(tenant_key(tenant))
         return len(entries), sum(size for _, size, _ in entries)

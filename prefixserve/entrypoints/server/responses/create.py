@@ -10,7 +10,6 @@ the previous one plus the new tokens, and every earlier turn is a cache hit.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Annotated, Any
 
@@ -27,6 +26,7 @@ from prefixserve.entrypoints.server.responses.items import (chat_tool_choice, ch
                                                             normalize_input, response_format_of)
 from prefixserve.entrypoints.server.responses.objects import output_items, request_id_of
 from prefixserve.entrypoints.server.responses.protocol import ResponsesRequest
+from prefixserve.entrypoints.server.responses.store_reads import from_store
 from prefixserve.entrypoints.server.responses.turn import ResponseTurn
 from prefixserve.entrypoints.server.state import get_state, principal
 from prefixserve.entrypoints.server.tools import ChatTools
@@ -43,7 +43,7 @@ async def create_response(body: Annotated[ResponsesRequest, Depends(json_body(Re
     history: list[dict[str, Any]] = []
     previous = None
     if body.previous_response_id is not None:
-        previous = await asyncio.to_thread(state.responses.get, tenant, body.previous_response_id)
+        previous = await from_store(request, "read", state.responses.get, tenant, body.previous_response_id)
         if previous is None:
             raise APIError(404, f"no stored response {body.previous_response_id[:80]!r} to continue (unknown, "
                                 f"expired, deleted or not stored)", type="not_found_error",

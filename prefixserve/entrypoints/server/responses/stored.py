@@ -1,22 +1,23 @@
 """GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items: a tenant's stored
 responses (response_store.py). Another tenant's id, an expired or deleted one and one never
-stored are all the same 404."""
+stored are all the same 404; an unreachable store is a 503 (store_reads.py)."""
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from prefixserve.entrypoints.server.errors import APIError, bad_request
+from prefixserve.entrypoints.server.responses.store_reads import from_store
 from prefixserve.entrypoints.server.state import get_state, principal
 
 MAX_LIMIT = 100
 
 
 async def _record(request: Request, response_id: str) -> dict[str, Any]:
-    record = await asyncio.to_thread(get_state(request).responses.get, principal(request).tenant, response_id)
+    record = await from_store(request, "read", get_state(request).responses.get, principal(request).tenant,
+                              response_id)
     if record is None:
         raise APIError(404, f"no stored response {response_id[:80]!r} (unknown, expired, deleted or not "
                             f"stored)", type="not_found_error", param="response_id", code="response_not_found")
@@ -29,7 +30,7 @@ async def get_response(request: Request, response_id: str) -> JSONResponse:
 
 async def delete_response(request: Request, response_id: str) -> JSONResponse:
     store = get_state(request).responses
-    if not await asyncio.to_thread(store.delete, principal(request).tenant, response_id):
+    if not await from_store(request, "delete", store.delete, principal(request).tenant, response_id):
         raise APIError(404, f"no stored response {response_id[:80]!r}", type="not_found_error",
                        param="response_id", code="response_not_found")
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})

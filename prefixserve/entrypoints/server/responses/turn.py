@@ -6,7 +6,7 @@ previous_response_id puts back into the turn memory.
 The store is written off the event loop (a file or Redis store does I/O) and before the response
 is answered, so a client continuing from the answer finds it stored. A write that fails loses the
 client nothing but the storing: the response is answered all the same, saying `"store": false`,
-and the failure is logged and counted (prefixserve:response_store_write_errors_total)."""
+and the failure is logged and counted (prefixserve:response_store_errors_total, operation "write")."""
 from __future__ import annotations
 
 import asyncio
@@ -65,5 +65,5 @@ class ResponseTurn:
         except Exception:   # whatever the backend raises (unreachable Redis, a full disk)
             logger.warning("response %s answered but not stored: the response store failed", self.id,
                            exc_info=True)
-            self.state.metrics.response_not_stored()
+            self.state.metrics.response_store_failed("write")
             return False
