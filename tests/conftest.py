@@ -19,7 +19,7 @@ What several test modules share lives beside this file, never in a test module (
 imports another: tests/test_test_tree.py): live_server.py (LiveServer, the shared ENGINE and
 MODEL, assert_pool_idle, metrics), tool_fixtures.py, bad_inputs.py, diagnose_logs.py,
 cache_reuse_oracle.py, routing_oracle.py, replica_service.py, prefix_caching_oracle.py,
-bf16_reference.py, waiting.py (wait_until), checkpoint_factory.py, redis_server.py,
+bf16_reference.py, waiting.py (wait_until), checkpoint_factory.py, redis_server.py, serve_process.py,
 kv_store_helpers.py, native_kernel_build.py, import_graph.py, kernel_device.py, sim_worker.py
 and vl_oracle.py. Fixtures a folder shares sit in its conftest.py
 (entrypoints/server/: server, http; replicas/: cluster).
@@ -32,6 +32,7 @@ from typing import Callable
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 # Without a GPU the Triton kernels (prefixserve/platforms/cuda) are tested on the CPU under Triton's
 # interpreter, a mode Triton fixes when it is first imported, and transformers imports it (through
@@ -41,6 +42,12 @@ if not torch.cuda.is_available():
 
 from checkpoint_factory import ARCHITECTURES, write_tiny_checkpoint
 from redis_server import RedisServer
+
+# No property test has a deadline, nor the health check of how fast examples are generated: both are
+# wall-clock thresholds (Hypothesis's default deadline is 200 ms an example, with "unreliable timings"
+# when a rerun is faster), which a loaded CI machine fails without a bug.
+settings.register_profile("prefixserve", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("prefixserve")
 
 
 @pytest.fixture(scope="session")

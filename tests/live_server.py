@@ -34,7 +34,7 @@ class LiveServer:
 
     def __enter__(self) -> LiveServer:
         self.thread.start()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120   # the app's startup (the engine's thread) on a loaded machine
         while not self.server.started:
             assert self.thread.is_alive(), "uvicorn exited during startup"
             assert time.monotonic() < deadline, "uvicorn did not start"
@@ -43,7 +43,8 @@ class LiveServer:
 
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
-        self.thread.join(30)
+        # the app's shutdown flushes the engine's KV stores (a restarted server is to find them there)
+        self.thread.join(120)
 
     @property
     def async_llm(self):

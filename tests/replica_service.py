@@ -43,7 +43,7 @@ def routers_caught_up(front) -> bool:
                for view in router_views(front).values() for replica, s in stats.items())
 
 
-def steady_routing(front, hold_s: float = 1.0, timeout: float = 60.0) -> dict:
+def steady_routing(front, hold_s: float = 1.0, timeout: float = 120.0) -> dict:
     """routing(front) once no replica runs or queues a request and the report has not changed for
     hold_s: the baseline of a count. A report read just after a request can still lack it (a
     router reports as it polls the hub, and on a loaded machine it runs late), and a baseline

@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -14,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from prefixserve.benchmarks.serving_process import free_port
 from prefixserve.entrypoints.cli import build_parser
+from serve_process import start_serving
 
 REPO = Path(__file__).resolve().parents[2]
 RANDOM_LINE = "serving random weights"
@@ -37,29 +36,17 @@ class Served:
 def serve(*args: str) -> Iterator[Served]:
     """`prefixserve serve ARGS` on a free port, up and answering /health; stopped with SIGINT,
     which must end it with status 0. Its output is in `.output` afterwards."""
-    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixserve", "serve", *args, "--port", str(port),
-         "--num-kv-blocks", "64", "--max-model-len", "512", "--log-level", "warning"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    served = Served(proc, f"http://127.0.0.1:{port}")
+    proc, base = start_serving(
+        [sys.executable, "-m", "prefixserve", "serve", *args,
+         "--num-kv-blocks", "64", "--max-model-len", "512", "--log-level", "warning"], cwd=REPO, env=env)
+    served = Served(proc, base)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                if httpx.get(served.base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
         yield served
     finally:
         proc.send_signal(signal.SIGINT)
         try:
-            served.output = proc.communicate(timeout=30)[0]
+            served.output = proc.communicate(timeout=120)[0]
         except subprocess.TimeoutExpired:
             proc.kill()
             served.output = proc.communicate()[0]
@@ -82,7 +69,7 @@ def test_serve_subcommand_answers_the_openai_client_by_either_name():
                                            max_tokens=4)
         error = refused.value.response.json()["error"]
         assert error["param"] == "model" and "'tiny'" in error["message"]
-        assert httpx.get(served.base + "/health").status_code == 200
+        assert httpx.get(served.base + "/health", timeout=60).status_code == 200
     assert f"{RANDOM_LINE} (random:qwen3-tiny): outputs are noise" in served.output
 
 
@@ -91,8 +78,9 @@ def test_the_model_named_first_is_served(tiny_checkpoint):
     and real weights are not announced as random."""
     folder = str(tiny_checkpoint("qwen3"))
     with serve(folder) as served:
-        models = httpx.get(served.base + "/v1/models").json()["data"]
+        models = httpx.get(served.base + "/v1/models", timeout=60).json()["data"]
         assert [m["id"] for m in models] == [folder]
-        r = httpx.post(served.base + "/v1/completions", json={"model": folder, "prompt": "hi", "max_tokens": 2})
+        r = httpx.post(served.base + "/v1/completions", json={"model": folder, "prompt": "hi", "max_tokens": 2},
+                       timeout=120)
         assert r.status_code == 200, r.text
     assert RANDOM_LINE not in served.output

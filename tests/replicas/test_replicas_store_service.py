@@ -50,10 +50,10 @@ def test_a_replica_serves_the_other_replicas_prefix_from_the_store(cluster, redi
         first = ask(live)
         # Write-through lands in the background: wait until Redis holds every full block
         # the engine would look up (the block holding the last prompt token is never looked up).
-        wait_until(lambda: store.usage()[0] >= (len(PROMPT) - 1) // 16, timeout=60)
+        wait_until(lambda: store.usage()[0] >= (len(PROMPT) - 1) // 16)
         second = ask(live)
         wait_until(lambda: sum(s["prompt_tokens"] for s in front.replica_stats().values())
-                 == 2 * len(PROMPT), timeout=30)
+                 == 2 * len(PROMPT))
         stats = front.replica_stats()
     assert cached(first) == 0
     assert cached(second) == (len(PROMPT) - 1) // 16 * 16
@@ -73,7 +73,7 @@ def test_the_router_sees_the_shared_store(cluster, redis_server):
     full_blocks = (len(PROMPT) - 1) // 16
     with store_service(redis_server.url, "prefix-aware", "store-pa") as (front, live, store):
         first = ask(live)
-        wait_until(lambda: store.usage()[0] >= full_blocks, timeout=60)
+        wait_until(lambda: store.usage()[0] >= full_blocks)
         assert httpx.post(live.base_url + "/reset_prefix_cache", timeout=60).status_code == 200
         wait_until(lambda: sum(routing(front)["held"].values()) == 0)
         before = routing(front)["reasons"].get("store_hit", 0)

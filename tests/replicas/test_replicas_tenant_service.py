@@ -59,10 +59,11 @@ def test_tenant_metrics_count_every_replicas_requests(live):
         return len(per_replica) == 2 and all(
             sum(t["prompt_tokens"] for t in s["tenants"] if t["tenant"] == "alpha") > 0 for s in per_replica)
 
-    wait_until(served_by_both, timeout=60, what="alpha's requests in both replicas' published stats")
+    wait_until(served_by_both, what="alpha's requests in both replicas' published stats")
 
     def metrics() -> str:
-        return httpx.get(server.base_url + "/metrics", headers={"Authorization": "Bearer k-admin-00003"}).text
+        return httpx.get(server.base_url + "/metrics", headers={"Authorization": "Bearer k-admin-00003"},
+                         timeout=60).text
 
     wait_until(lambda: all(_counter(metrics(), "tenant_prefix_cache_queries_total", t) == sent[t] for t in sent),
-               timeout=60, what="each tenant's prompt tokens, summed over the replicas, in /metrics")
+               what="each tenant's prompt tokens, summed over the replicas, in /metrics")

@@ -38,7 +38,7 @@ def test_thousands_of_interleaved_content_operations_lose_nothing_and_leak_no_pi
                 stream = await async_llm.add_request(
                     f"prefill-{cid}", {"prompt_token_ids": content.token_ids},
                     SamplingParams(max_tokens=1, temperature=0.0),
-                    cache_pins=[CachePin(len(content.token_ids), 600.0, content=content)])
+                    cache_pins=[CachePin(len(content.token_ids), 3600.0, content=content)])
                 async for out in stream:
                     pass
                 assert out.pins[0].error is None and out.pins[0].pin_id is not None
@@ -54,7 +54,9 @@ def test_thousands_of_interleaved_content_operations_lose_nothing_and_leak_no_pi
                 counts["find"] += 1
             elif choice < 0.8:
                 cid = crng.choice(mine)
-                _, pin = await async_llm.repin_cached_content(cid, crng.choice([60.0, 600.0]))
+                # shortened or kept; TTLs far longer than any run: a pin that expired while a loaded
+                # machine ran the test would take its content with it, and the next find would miss
+                _, pin = await async_llm.repin_cached_content(cid, crng.choice([600.0, 3600.0]))
                 assert pin.num_tokens == 3 * BS
                 counts["repin"] += 1
             else:

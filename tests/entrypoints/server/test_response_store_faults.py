@@ -111,7 +111,8 @@ class GatedBackend(MemoryBackend):
         if self.fail:
             raise OSError(28, "No space left on device")
         self.entered.set()
-        assert self.release.wait(60)
+        # held well past the test's /health timeout: an answer to it can only come while the write waits
+        assert self.release.wait(300)
         super().put(tenant, rid, data, now)
 
 
@@ -134,11 +135,13 @@ def test_a_slow_store_write_does_not_block_the_event_loop(server, client, http, 
     creating.start()
     try:
         assert backend.entered.wait(60)
-        health = http.get("/health", timeout=5)   # answered while the write still waits
+        # answered while the write still waits (a blocked loop could answer only after the release,
+        # which comes after this call: it would time out); 60 s, as a loaded machine can be slow
+        health = http.get("/health", timeout=60)
         assert health.status_code == 200 and not answers
     finally:
         backend.release.set()
-        creating.join(60)
+        creating.join(120)
     (answered,) = answers
     assert answered.store and client.responses.retrieve(answered.id).id == answered.id
 

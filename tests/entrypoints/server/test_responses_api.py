@@ -218,7 +218,7 @@ def test_another_tenants_response_is_404(two_tenants):
         with pytest.raises(openai.NotFoundError):
             attempt()
     assert a.responses.retrieve(mine.id).output_text == mine.output_text
-    with httpx.Client(base_url=two_tenants.base_url) as raw:
+    with httpx.Client(base_url=two_tenants.base_url, timeout=60) as raw:
         assert raw.get(f"/v1/responses/{mine.id}").status_code == 401
 
 

@@ -4,11 +4,11 @@ read. Oracles: the conversation the test sent, and the prompt tokens the server 
 from __future__ import annotations
 
 import json
-import time
 
 import openai
 from live_server import ENGINE, MODEL, LiveServer
 from tool_fixtures import TOOLS
+from waiting import wait_until
 
 from prefixserve import EngineConfig, LLMEngine
 from prefixserve.diagnose import load_renderer
@@ -20,12 +20,17 @@ RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 
 
 def records(path, count: int) -> list[dict]:
-    deadline = time.monotonic() + 30
-    while True:
-        lines = path.read_text().splitlines() if path.exists() else []
-        if len(lines) >= count or time.monotonic() > deadline:
-            return [json.loads(line) for line in lines]
-        time.sleep(0.05)
+    """The log's records once it holds `count` (the writer thread writes after the reply). Only
+    whole lines: one read can land while the writer is part way through a record."""
+    lines: list[str] = []
+
+    def written() -> bool:
+        text = path.read_text() if path.exists() else ""
+        lines[:] = text[:text.rfind("\n") + 1].splitlines()
+        return len(lines) >= count
+
+    wait_until(written, what=f"{count} records in the request log")
+    return [json.loads(line) for line in lines]
 
 
 def test_a_logged_response_reads_back_as_the_conversation_it_continued(tmp_path):

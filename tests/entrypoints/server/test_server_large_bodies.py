@@ -19,7 +19,9 @@ from prefixserve.entrypoints.server.prompting.bodies import ParsedConversation, 
 from prefixserve.entrypoints.server.prompting.render_pool import RenderPool
 from prefixserve.entrypoints.server.validation import BodyLimits
 
-SETTINGS = dict(max_messages=64, max_body_bytes=2**20, render_timeout_s=5.0)
+# a render timeout far above a render's time (the render child runs at the lowest priority: on a
+# loaded machine a few seconds can pass) and below the clients' 60 s
+SETTINGS = dict(max_messages=64, max_body_bytes=2**20, render_timeout_s=30.0)
 SYSTEM = "You are the assistant of a large library. " * 8
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import anthropic
 import openai
 import pytest
 from live_server import ENGINE, MODEL, LiveServer
+from waiting import wait_until
 
 from prefixserve import EngineConfig, LLMEngine
 from prefixserve.diagnose import load_renderer
@@ -45,14 +45,17 @@ def oai(server, key: str) -> openai.OpenAI:
 
 
 def lines_of(path, count: int) -> list[dict]:
-    """The log's records once it holds `count` (the writer thread writes after the reply)."""
-    deadline = time.monotonic() + 30
-    while True:
+    """The log's records once it holds `count` (the writer thread writes after the reply). Only
+    whole lines: one read can land while the writer is part way through a record."""
+    records: list[dict] = []
+
+    def written() -> bool:
         text = path.read_text(encoding="utf-8") if path.exists() else ""
-        records = [json.loads(line) for line in text.splitlines()]
-        if len(records) >= count or time.monotonic() > deadline:
-            return records
-        time.sleep(0.05)
+        records[:] = [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
+        return len(records) >= count
+
+    wait_until(written, what=f"{count} records in the request log")
+    return records
 
 
 def test_the_log_reads_back_as_the_conversations_sent(logged, tmp_path, capsys):

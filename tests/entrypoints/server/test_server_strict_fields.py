@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -21,11 +20,11 @@ import openai
 import pytest
 
 from prefixserve import EngineConfig, LLMEngine
-from prefixserve.benchmarks.serving_process import free_port
 from prefixserve.entrypoints.server.app import build_app
 from prefixserve.entrypoints.server.auth import KeyTable
 from prefixserve.entrypoints.server.config import ServerConfig
 from live_server import LiveServer
+from serve_process import start_serving
 
 REPO = Path(__file__).resolve().parents[3]
 MODEL = "random:qwen3-tiny"
@@ -258,31 +257,19 @@ def test_models_retrieve_needs_a_key_like_the_other_routes():
 
 def test_serve_allow_unknown_fields_answers_and_logs_each_field_once():
     """The switch as an operator turns it on: `prefixserve serve --allow-unknown-fields`."""
-    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prefixserve.entrypoints.cli", "serve", "--model", MODEL, "--port", str(port),
+    proc, base = start_serving(
+        [sys.executable, "-m", "prefixserve.entrypoints.cli", "serve", "--model", MODEL,
          "--num-kv-blocks", "64", "--max-model-len", "160", "--allow-unknown-fields", "--log-level", "warning"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+        cwd=REPO, env=env)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
         for value in (0.2, 0.3):
             r = httpx.post(base + "/v1/chat/completions", json={**CHAT, "temprature": value}, timeout=60)
             assert r.status_code == 200, r.text
     finally:
         proc.send_signal(signal.SIGINT)
         try:
-            out = proc.communicate(timeout=30)[0]
+            out = proc.communicate(timeout=120)[0]
         except subprocess.TimeoutExpired:
             proc.kill()
             out = proc.communicate()[0]

@@ -4,12 +4,12 @@ stream already running finishes untouched; plus the small things a careful clien
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
 from bad_inputs import BAD_INPUTS, CHAT, raw_json
 from live_server import ENGINE, MODEL, LiveServer, assert_pool_idle, metrics
+from waiting import wait_until
 
 from prefixserve import EngineConfig, LLMEngine
 from prefixserve.entrypoints.server.app import build_app
@@ -20,9 +20,11 @@ SURROGATE = "\ud800"
 
 @pytest.fixture(scope="module")
 def server():
-    """Body limits BAD_INPUTS is written against (tests/bad_inputs.py), and a short render timeout."""
+    """Body limits BAD_INPUTS is written against (tests/bad_inputs.py). The render timeout is below the
+    clients' 60 s, so a render that hangs is reported as such, and far above a render's few ms: the
+    render child runs at the lowest priority, and on a loaded machine a 2 s bound could cut off good bodies."""
     app = build_app(LLMEngine(EngineConfig(**ENGINE)),
-                    ServerConfig(max_messages=64, max_body_bytes=2**20, render_timeout_s=2.0))
+                    ServerConfig(max_messages=64, max_body_bytes=2**20, render_timeout_s=30.0))
     with LiveServer(app) as live:
         yield live
 
@@ -87,23 +89,21 @@ def test_aborted_requests_are_counted_in_the_request_metrics(server):
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     break  # leave after the first chunk: the server aborts the request
-        deadline = time.monotonic() + 30
-        while metrics(client).get("prefixserve:request_success_total", 0.0) < before + 1:
-            assert time.monotonic() < deadline, "the aborted request was never counted"
-            time.sleep(0.05)
+        wait_until(lambda: metrics(client).get("prefixserve:request_success_total", 0.0) >= before + 1,
+                   what="the aborted request counted")
     assert_pool_idle(server)
 
 
 def test_a_trusted_client_template_that_loops_for_ever_is_stopped_and_the_server_goes_on():
     app = build_app(LLMEngine(EngineConfig(**ENGINE)),
-                    ServerConfig(trust_request_chat_template=True, render_timeout_s=1.0))
+                    ServerConfig(trust_request_chat_template=True, render_timeout_s=5.0))
     with LiveServer(app) as live, httpx.Client(base_url=live.base_url, timeout=60) as client:
         # the sandbox refuses one huge range, not nested ones
         looping = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
-        start = time.monotonic()
+        # 10^10 loop steps never end in a test's lifetime: an answer at all, and this one, says the
+        # render was stopped (no wall-clock bound here: on a loaded machine it would race the load)
         r = client.post(CHAT, json=chat_body(chat_template=looping))
         assert r.status_code == 400 and r.json()["error"]["code"] == "render_timeout"
-        assert time.monotonic() - start < 20
         ok = client.post(CHAT, json=chat_body(chat_template="{% for m in messages %}{{ m.content }}{% endfor %}"))
         assert ok.status_code == 200, ok.text
         assert client.post(CHAT, json=chat_body()).status_code == 200

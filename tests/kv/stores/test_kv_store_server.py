@@ -10,7 +10,6 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -19,28 +18,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kv_store_helpers import BLOCK, PARAMS, documents, full_blocks, reference
 from redis_server import free_port
+from serve_process import start_serving
 
 
 class ServeProcess:
     def __init__(self, model: str, stores: list[str], env: dict | None = None) -> None:
-        self.port = free_port()
         args = [sys.executable, "-m", "prefixserve", "serve", "--model", model, "--dtype", "float32",
-                "--port", str(self.port), "--num-kv-blocks", "64", "--log-level", "warning",
-                "--served-model-name", "m"]
+                "--num-kv-blocks", "64", "--log-level", "warning", "--served-model-name", "m"]
         for url in stores:
             args += ["--kv-store", url]
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
-        self.base = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.proc.poll() is None, self.proc.stdout.read()
-            assert time.monotonic() < deadline, "server did not start"
-            try:
-                if httpx.get(self.base + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        self.proc, self.base = start_serving(args, env={**os.environ, **(env or {})})
 
     def complete(self, tokens: list[int]) -> dict:
         r = httpx.post(self.base + "/v1/completions", timeout=120, json={
@@ -50,7 +37,7 @@ class ServeProcess:
 
     def metrics(self) -> dict[tuple[str, str], float]:
         out = {}
-        for family in text_string_to_metric_families(httpx.get(self.base + "/metrics").text):
+        for family in text_string_to_metric_families(httpx.get(self.base + "/metrics", timeout=60).text):
             for s in family.samples:
                 if "store" in s.labels:
                     out[(s.name, s.labels["store"])] = s.value
