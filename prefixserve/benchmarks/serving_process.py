@@ -23,6 +23,7 @@ import prefixserve
 _SOURCE_ROOT = Path(prefixserve.__file__).resolve().parents[1]
 _TAIL_BYTES = 4000
 _STOP_TIMEOUT_S = 30.0
+_PORT_ATTEMPTS = 5
 # No proxy from the environment may sit between us and a loopback server.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -68,7 +69,28 @@ class ServerProcess:
         return self._proc.pid
 
     def __enter__(self) -> ServerProcess:
-        self.port = free_port()
+        # A free port can only be found, not kept: the child binds it seconds after free_port()
+        # released it, and another process may take it in between. The child then exits with
+        # "address already in use", and is started again on another port.
+        for attempt in range(_PORT_ATTEMPTS):
+            self._start(free_port())
+            try:
+                self._wait_ready()
+                return self
+            except ServerProcessError:
+                taken = self.returncode is not None and "address already in use" in self.output_tail().lower()
+                self.stop()
+                if not taken or attempt == _PORT_ATTEMPTS - 1:
+                    raise
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
+
+    def _start(self, port: int) -> None:
+        self.port = port
+        if self._log is not None:
+            self._log.close()
         self._log = tempfile.TemporaryFile()
         path = os.environ.get("PYTHONPATH")
         env = {**os.environ, "PYTHONPATH": str(_SOURCE_ROOT) + (os.pathsep + path if path else "")}
@@ -76,12 +98,6 @@ class ServerProcess:
             [sys.executable, "-m", "prefixserve.entrypoints.cli", "serve", *self.serve_args,
              "--host", "127.0.0.1", "--port", str(self.port)],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def __exit__(self, *exc) -> None:
         self.stop()

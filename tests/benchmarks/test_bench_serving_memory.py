@@ -125,6 +125,22 @@ def test_server_process_stops_cleanly_and_frees_its_port(tiny_folder: Path) -> N
         s.listen()
 
 
+def test_a_port_taken_before_the_server_binds_it_is_left_for_another(tiny_folder: Path, monkeypatch) -> None:
+    """The race free_port() cannot close: another process listens on the port first. The server
+    exits with "address already in use" and is started again on another free port."""
+    from prefixserve.benchmarks import serving_process
+    real = serving_process.free_port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picks = iter([taken.getsockname()[1]])
+        monkeypatch.setattr(serving_process, "free_port", lambda: next(picks, None) or real())
+        with ServerProcess(["--model", str(tiny_folder), "--num-kv-blocks", "64", "--log-level", "warning"]) as server:
+            assert server.port != taken.getsockname()[1]
+            with http_open(server.base_url + "/health") as resp:
+                assert resp.status == 200
+
+
 def test_a_failing_server_is_reported_with_its_output_and_stopped(tmp_path: Path) -> None:
     before = child_pids()
     with pytest.raises(ServerProcessError) as info:
