@@ -104,18 +104,23 @@ def _scheme(url: str) -> str:
     return urlsplit(url[:_SCHEME_HEAD]).scheme.lower()
 
 
+def _remote_scheme(source: ImageSource) -> Optional[str]:
+    """"http", "https" or "file" for a part the server fetches; None for one whose bytes are in the body
+    (a data URL, base64) or whose scheme the render process refuses."""
+    if source.data is not None:
+        return None
+    scheme = _scheme(source.url or "")
+    return scheme if scheme in ("http", "https", "file") else None
+
+
 def fetch_remote(source: ImageSource, config: MediaConfig) -> Optional[bytes]:
     """An http(s) or file: image part's bytes, fetched within the server's rules (blocking); None for a
     part whose bytes are in the body (a data URL, base64), which the render process reads."""
-    if source.data is not None:
+    scheme = _remote_scheme(source)
+    if scheme is None:
         return None
     url = source.url or ""
-    scheme = _scheme(url)
-    if scheme in ("http", "https"):
-        return _http(url, source.where, config)
-    if scheme == "file":
-        return _local(url, source.where, config)
-    return None
+    return _local(url, source.where, config) if scheme == "file" else _http(url, source.where, config)
 
 
 def _encoded(source: ImageSource, config: MediaConfig, fetched: Optional[bytes]) -> tuple[bytes, Optional[str]]:
@@ -170,7 +175,7 @@ async def fetch_images(sources: Sequence[ImageSource], config: MediaConfig, para
     if config.max_images is not None and len(sources) > config.max_images:
         raise InvalidRequestError(f"{len(sources)} images in one request; at most {config.max_images} allowed "
                                   "(--limit-mm-per-prompt)", param=param)
-    if all(s.data is not None or _scheme(s.url or "") not in ("http", "https", "file") for s in sources):
+    if all(_remote_scheme(s) is None for s in sources):   # nothing to fetch: no thread hop
         return [None] * len(sources)
     return await asyncio.to_thread(lambda: [fetch_remote(s, config) for s in sources])
 
@@ -185,7 +190,7 @@ def prepare_images(sources: Sequence[ImageSource], fetched: Sequence[Optional[by
     # one at a time, each error naming its part
     for source, data, bound in zip(sources, fetched, bounds):
         image, record = load_image(source, config, data)
-        items.append(prepare_image(image if bound is None else {"image": image, **bound}, vision,
-                                   param=source.where, max_decoded_pixels=config.max_image_pixels))
+        items.append(prepare_image(image, vision, param=source.where, max_decoded_pixels=config.max_image_pixels,
+                                   **(bound or {})))
         records.append(record)
     return PreparedImages(tuple(items)), tuple(records)
