@@ -14,6 +14,8 @@ listed in the model's `unsupported` table and refused with a 400 even when extra
 """
 from __future__ import annotations
 
+import functools
+
 import logging
 import re
 import threading
@@ -91,9 +93,10 @@ def _check_model(data: dict[str, Any], model: type[BaseModel], path: str, unknow
                 _each_object(value, where, lambda obj, at: _check_model(obj, inner, at, unknown))
 
 
+@functools.cache   # per class, not per request: classes do not change
 def _field_shapes(model: type[BaseModel]) -> dict[str, Shape]:
     """The model's `field_keys` and its bases': a base's fields keep their shapes in every body
-    built on it (prompt_cache_fields.PromptCacheRequest)."""
+    built on it (prompt_cache_fields.PromptCacheRequest). Read only."""
     shapes: dict[str, Shape] = {}
     for cls in reversed(model.__mro__):
         shapes.update(vars(cls).get("field_keys", {}))
